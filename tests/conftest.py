@@ -1,0 +1,70 @@
+"""Shared helpers for the test suite: paths, running commands with a bound, reading the examples' output."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+
+EPOCH_RE = re.compile(r"^epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
+FINAL_RE = re.compile(r"^final weights sha256 ([0-9a-f]+) identical on (\d+) ranks$", re.M)
+HOSTS_RE = re.compile(r"^world_size (\d+) across (\d+) hosts: (.*)$", re.M)
+
+
+def run(cmd, *, timeout, check=True, env=None, **kwargs):
+    """Run cmd, capture stdout+stderr as text, fail the test with the output on error or timeout."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(
+            [str(c) for c in cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            **kwargs,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.stdout[-6000:]}")
+    return proc
+
+
+class TrainLog:
+    """What rank 0 printed: per-epoch losses, world size, the final weight checksum, host placement."""
+
+    def __init__(self, text):
+        self.text = text
+        epochs = EPOCH_RE.findall(text)
+        self.epochs = [int(e[0]) for e in epochs]
+        self.losses = [float(e[2]) for e in epochs]
+        self.world_size = int(epochs[-1][3]) if epochs else None
+        final = FINAL_RE.search(text)
+        self.checksum = final.group(1) if final else None
+        self.ranks_in_sync = int(final.group(2)) if final else None
+        hosts = HOSTS_RE.search(text)
+        self.num_hosts = int(hosts.group(2)) if hosts else None
+
+    def assert_trained(self, world_size, factor=2.0):
+        assert self.losses, f"no epoch lines in output:\n{self.text[-3000:]}"
+        assert self.world_size == world_size, self.text[-3000:]
+        assert self.ranks_in_sync == world_size, f"ranks did not end in sync:\n{self.text[-3000:]}"
+        assert self.losses[-1] * factor < self.losses[0], f"loss did not fall by {factor}x: {self.losses}"
+
+
+def need(available, reason, require_var):
+    """Skip when a facility (Docker, Slurm) is missing, unless require_var=1 makes that a failure."""
+    if available:
+        return
+    if os.environ.get(require_var) == "1":
+        pytest.fail(f"{reason} (and {require_var}=1)")
+    pytest.skip(reason)
