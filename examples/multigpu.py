@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -50,12 +52,26 @@ def get_parser():
     )
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    parser.add_argument(
+        "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
+    )
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in forward and loss (GPUs)")
+    parser.add_argument("--channels_last", action="store_true", help="vision: NHWC layout (GPU convolutions)")
     return parser
 
 
 def check_args(parser, args):
     """Reject bad input before any work starts: argparse-style message, exit status 2."""
-    for name in ("total_epochs", "save_every", "batch_size", "dataset_size", "image_size", "lr", "timeout"):
+    for name in (
+        "total_epochs",
+        "save_every",
+        "batch_size",
+        "dataset_size",
+        "image_size",
+        "lr",
+        "timeout",
+        "grad_accum",
+    ):
         if getattr(args, name) <= 0:
             parser.error(f"{name} must be positive, got {getattr(args, name)}")
     if args.num_workers < 0:
@@ -126,6 +142,35 @@ def load_train_objs(args):
         model, loss_fn = resnet18(num_classes=num_classes), F.cross_entropy
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, model, optimizer, loss_fn
+
+
+# ---- end shared ----
+
+
+# ---- shared: speed ----
+def micro_batches(loader, grad_accum):
+    """Yield each batch with its loss scale and whether it completes an optimizer step.
+
+    The gradients of grad_accum batches add up before one step. Scaling each loss by 1 / (batches in the
+    group) makes the sum the gradient of their mean: the step one batch grad_accum times larger would take.
+    """
+    count = len(loader)
+    for i, (source, targets) in enumerate(loader):
+        first = i - i % grad_accum  # the group's first batch; the epoch's last group may be shorter
+        size = min(grad_accum, count - first)
+        yield source, targets, 1.0 / size, i == first + size - 1
+
+
+def autocast(args, device):
+    """With --bf16: matmuls and convolutions in bfloat16, weights, gradients and updates stay float32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+
+def to_device(obj, device, args):
+    """Move a model or a batch to the device; with --channels_last, the model and image batches go NHWC."""
+    if args.channels_last and (isinstance(obj, torch.nn.Module) or obj.dim() == 4):
+        return obj.to(device, memory_format=torch.channels_last)
+    return obj.to(device)
 
 
 # ---- end shared ----
@@ -240,6 +285,42 @@ def check_weights_in_sync(model):
 # ---- end shared ----
 
 
+# ---- shared: ddp options ----
+def add_ddp_options(parser):
+    """Settings of DistributedDataParallel itself (README: Performance); single_gpu.py has none."""
+    group = parser.add_argument_group("DDP options")
+    group.add_argument(
+        "--comm_hook", choices=["none", "fp16", "bf16"], default="none", help="all-reduce in 16 bits"
+    )
+    group.add_argument("--bucket_cap_mb", type=megabytes, help="gradient MB per all-reduce (DDP default 25)")
+    group.add_argument("--gradient_as_bucket_view", action="store_true", help="gradients live in the buckets")
+    group.add_argument("--static_graph", action="store_true", help="the same graph every step: plan once")
+
+
+def megabytes(text):
+    if float(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return float(text)
+
+
+def ddp_options(args):
+    """Keyword arguments for DistributedDataParallel, or for accelerate's DistributedDataParallelKwargs."""
+    options = {"gradient_as_bucket_view": args.gradient_as_bucket_view, "static_graph": args.static_graph}
+    if args.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = args.bucket_cap_mb
+    return options
+
+
+def register_comm_hook(model, args):
+    """--comm_hook: each bucket is cast to 16 bits, all-reduced, and cast back; the optimizer sees float32."""
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+    if args.comm_hook in hooks and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(None, hooks[args.comm_hook])  # None: the default process group
+
+
+# ---- end shared ----
+
+
 def ddp_setup(rank, world_size, timeout):
     """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
     if torch.cuda.is_available():
@@ -255,7 +336,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
-        self.model = model.to(device)
+        self.model = to_device(model, device, args)
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -265,22 +346,28 @@ class Trainer:
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
             if self.rank == 0:
                 print(resume_message(args, self.epochs_run), flush=True)
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))
+        register_comm_hook(self.model, args)
 
-    def _run_batch(self, source, targets):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(source), targets)
-        loss.backward()
-        self.optimizer.step()
+    def _run_batch(self, source, targets, scale, step):
+        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
+        with nullcontext() if step else self.model.no_sync():
+            with autocast(self.args, self.device):
+                loss = self.loss_fn(self.model(source), targets)
+            (loss * scale).backward()
+        if step:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def _run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
         torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
         totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets in self.train_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            loss = self._run_batch(source, targets)
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
             totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
         return totals
 
@@ -340,6 +427,7 @@ def master_port():
 
 if __name__ == "__main__":
     parser = get_parser()
+    add_ddp_options(parser)
     gpus = torch.cuda.device_count()
     parser.add_argument("--nproc", type=int, default=gpus or 2, help="processes (default: one per GPU, or 2)")
     args = parser.parse_args()

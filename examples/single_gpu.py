@@ -43,12 +43,26 @@ def get_parser():
     )
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    parser.add_argument(
+        "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
+    )
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in forward and loss (GPUs)")
+    parser.add_argument("--channels_last", action="store_true", help="vision: NHWC layout (GPU convolutions)")
     return parser
 
 
 def check_args(parser, args):
     """Reject bad input before any work starts: argparse-style message, exit status 2."""
-    for name in ("total_epochs", "save_every", "batch_size", "dataset_size", "image_size", "lr", "timeout"):
+    for name in (
+        "total_epochs",
+        "save_every",
+        "batch_size",
+        "dataset_size",
+        "image_size",
+        "lr",
+        "timeout",
+        "grad_accum",
+    ):
         if getattr(args, name) <= 0:
             parser.error(f"{name} must be positive, got {getattr(args, name)}")
     if args.num_workers < 0:
@@ -119,6 +133,35 @@ def load_train_objs(args):
         model, loss_fn = resnet18(num_classes=num_classes), F.cross_entropy
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, model, optimizer, loss_fn
+
+
+# ---- end shared ----
+
+
+# ---- shared: speed ----
+def micro_batches(loader, grad_accum):
+    """Yield each batch with its loss scale and whether it completes an optimizer step.
+
+    The gradients of grad_accum batches add up before one step. Scaling each loss by 1 / (batches in the
+    group) makes the sum the gradient of their mean: the step one batch grad_accum times larger would take.
+    """
+    count = len(loader)
+    for i, (source, targets) in enumerate(loader):
+        first = i - i % grad_accum  # the group's first batch; the epoch's last group may be shorter
+        size = min(grad_accum, count - first)
+        yield source, targets, 1.0 / size, i == first + size - 1
+
+
+def autocast(args, device):
+    """With --bf16: matmuls and convolutions in bfloat16, weights, gradients and updates stay float32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+
+def to_device(obj, device, args):
+    """Move a model or a batch to the device; with --channels_last, the model and image batches go NHWC."""
+    if args.channels_last and (isinstance(obj, torch.nn.Module) or obj.dim() == 4):
+        return obj.to(device, memory_format=torch.channels_last)
+    return obj.to(device)
 
 
 # ---- end shared ----
@@ -206,7 +249,7 @@ def log_epoch(args, epoch, loss, samples, seconds, world_size):
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
         self.device = device
-        self.model = model.to(device)
+        self.model = to_device(model, device, args)
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -216,20 +259,22 @@ class Trainer:
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
             print(resume_message(args, self.epochs_run), flush=True)
 
-    def _run_batch(self, source, targets):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(source), targets)
-        loss.backward()
-        self.optimizer.step()
+    def _run_batch(self, source, targets, scale, step):
+        with autocast(self.args, self.device):
+            loss = self.loss_fn(self.model(source), targets)
+        (loss * scale).backward()
+        if step:  # the group's last batch: apply the summed gradients
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def _run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
         torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
         totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets in self.train_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            loss = self._run_batch(source, targets)
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
             totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
         return totals
 
