@@ -181,9 +181,10 @@ def resume_message(args, epochs_run):
 
 
 def weights_sha256(model):
-    """A fingerprint of every parameter and buffer, bit for bit."""
+    """A fingerprint of every parameter, bit for bit. Buffers such as BatchNorm statistics are left out:
+    each process updates its own, and DDP copies rank 0's to the others at the start of every forward."""
     digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    for tensor in model.parameters():
         t = tensor.detach().cpu().contiguous()
         digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return digest.hexdigest()[:12]
