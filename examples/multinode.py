@@ -39,7 +39,10 @@ def get_parser():
     )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, initial weights and shuffling")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to this file")
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    parser.add_argument(
+        "--snapshot_path", default=f"{script}_snapshot.pt", help="resume from, save to (default: %(default)s)"
+    )
     parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
     parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
     parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png); default synthetic")

@@ -23,11 +23,12 @@ def test_trains_on_an_image_folder_with_two_processes(tmp_path):
     assert log.epochs == [1] and log.world_size == 2 and log.ranks_in_sync == 2
     assert math.isfinite(log.losses[0])
     # two class folders, so a two-way classifier: the data really came from the folder
-    assert load_snapshot(tmp_path / "snapshot.pt")["MODEL_STATE"]["fc.weight"].shape == (2, 512)
+    snapshot = load_snapshot(tmp_path / "multigpu_torchrun_snapshot.pt")
+    assert snapshot["MODEL_STATE"]["fc.weight"].shape == (2, 512)
 
 
 def test_trains_on_synthetic_images(tmp_path):
     cmd = example_cmd("single_gpu", 2, 1, *TINY, "--dataset_size", "64")
     log = TrainLog(run(cmd, timeout=300, cwd=tmp_path).stdout)
     assert log.epochs == [1, 2] and all(math.isfinite(x) for x in log.losses)
-    assert load_snapshot(tmp_path / "snapshot.pt")["MODEL_STATE"]["fc.weight"].shape == (10, 512)
+    assert load_snapshot(tmp_path / "single_gpu_snapshot.pt")["MODEL_STATE"]["fc.weight"].shape == (10, 512)
