@@ -289,37 +289,33 @@ def check_weights_in_sync(model):
 # ---- end shared ----
 
 
-# ---- shared: ddp options ----
+# ---- shared: ddp_options ----
 def add_ddp_options(parser):
-    """Settings of DistributedDataParallel itself (README: Performance); single_gpu.py has none."""
+    """DistributedDataParallel's own settings; README.md (Performance) says what each costs or buys."""
     group = parser.add_argument_group("DDP options")
-    group.add_argument(
-        "--comm_hook", choices=["none", "fp16", "bf16"], default="none", help="all-reduce in 16 bits"
-    )
-    group.add_argument("--bucket_cap_mb", type=megabytes, help="gradient MB per all-reduce (DDP default 25)")
+    group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="all-reduce gradients in 16 bits")
+    group.add_argument("--bucket_cap_mb", type=float, help="gradient MB per all-reduce (DDP default 25)")
     group.add_argument("--gradient_as_bucket_view", action="store_true", help="gradients live in the buckets")
     group.add_argument("--static_graph", action="store_true", help="the same graph every step: plan once")
 
 
-def megabytes(text):
-    if float(text) <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return float(text)
+def check_ddp_options(parser, args):
+    if args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0:
+        parser.error(f"bucket_cap_mb must be positive, got {args.bucket_cap_mb}")
+    if args.static_graph and args.grad_accum > 1:
+        parser.error("--static_graph fails under no_sync, so it cannot be combined with --grad_accum")
 
 
 def ddp_options(args):
     """Keyword arguments for DistributedDataParallel, or for accelerate's DistributedDataParallelKwargs."""
-    options = {"gradient_as_bucket_view": args.gradient_as_bucket_view, "static_graph": args.static_graph}
-    if args.bucket_cap_mb is not None:
-        options["bucket_cap_mb"] = args.bucket_cap_mb
-    return options
+    keys = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
+    return {key: getattr(args, key) for key in keys if getattr(args, key)}  # only those given
 
 
 def register_comm_hook(model, args):
-    """--comm_hook: each bucket is cast to 16 bits, all-reduced, and cast back; the optimizer sees float32."""
-    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-    if args.comm_hook in hooks and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model.register_comm_hook(None, hooks[args.comm_hook])  # None: the default process group
+    """--comm_hook: each bucket is cast to 16 bits, all-reduced and cast back; the optimizer sees float32."""
+    if args.comm_hook and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
 
 
 # ---- end shared ----
@@ -436,6 +432,7 @@ if __name__ == "__main__":
     parser.add_argument("--nproc", type=int, default=gpus or 2, help="processes (default: one per GPU, or 2)")
     args = parser.parse_args()
     check_args(parser, args)
+    check_ddp_options(parser, args)
     if args.nproc <= 0 or (gpus and args.nproc > gpus):
         parser.error(
             f"--nproc must be between 1 and the number of GPUs ({gpus}), got {args.nproc}"
