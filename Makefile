@@ -26,6 +26,7 @@ retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; 
 SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
+.PHONY: bench bench-allreduce
 .PHONY: help env single_gpu multigpu torchrun multinode accelerate diff test lint pins clean distclean
 
 help: ## list the targets
@@ -64,6 +65,21 @@ accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
+
+# ---- benchmarks ----
+# make bench BENCH_ARGS=--full        longer runs; any option of tools/bench.py goes in BENCH_ARGS
+# make bench-allreduce ALLREDUCE_ARGS="--max_bytes 16M"
+BENCH_ARGS ?=
+ALLREDUCE_ARGS ?=
+BENCH_OUT ?= bench-results
+
+bench: $(ENV) ## every launcher side by side: samples/s, ratios, loss curves (BENCH_ARGS=--full: longer)
+	$(PY) tools/bench.py --out $(BENCH_OUT) $(BENCH_ARGS)
+
+bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) tools/allreduce_bench.py \
+	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
+# ---- end benchmarks ----
 
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
