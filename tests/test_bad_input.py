@@ -12,6 +12,8 @@ CASES = [
     (["1", "1", "--workload", "vision", "--data_dir", "missing"], "--data_dir missing is not a directory"),
     (["1", "1", "--workload", "vision", "--data_dir", "."], "Couldn't find any class folder"),
     (["1", "1", "--dataset_size", "16"], "the dataset has 16 samples, fewer than one step needs"),
+    (["1", "1", "--grad_accum", "0"], "grad_accum must be positive"),
+    (["1", "1", "--comm_hook", "fp16"], "unrecognized arguments: --comm_hook"),  # DDP options: DDP steps only
 ]
 
 
@@ -34,6 +36,9 @@ def test_single_gpu_rejects(tmp_path, args, message):
         (["1", "1", "--nproc", "0"], "--nproc must be positive"),
         (["1", "1", "--dataset_size", "40"], "fewer than one step needs: 2 process(es) x batch_size 32"),
         (["-3", "1"], "total_epochs must be positive"),
+        (["1", "1", "--bucket_cap_mb", "0"], "bucket_cap_mb must be positive"),
+        (["1", "1", "--static_graph", "--grad_accum", "2"], "cannot be combined with --grad_accum"),
+        (["1", "1", "--comm_hook", "int8"], "invalid choice: 'int8'"),
     ],
 )
 def test_multigpu_rejects_before_spawning(tmp_path, args, message):

@@ -32,7 +32,9 @@ def test_every_example_has_the_shared_blocks():
         assert set(blocks(name)) == expected, name
 
 
-@pytest.mark.parametrize("block", ["arguments", "workloads", "speed", "snapshots", "distributed", "ddp_options"])
+@pytest.mark.parametrize(
+    "block", ["arguments", "workloads", "speed", "snapshots", "distributed", "ddp_options"]
+)
 def test_shared_blocks_are_identical(block):
     copies = {name: blocks(name)[block] for name in ALL if block in blocks(name)}
     reference_name, reference = next(iter(copies.items()))
