@@ -255,15 +255,19 @@ def summarize(results, variants, settings):
             if peak:
                 table[v.name]["mfu"] = settings["flops"][workload] * stats["mean"] / (peak * max(1, v.ranks))
         ratios = {}
+        ranks = {v.name: v.ranks for v in variants}
         for name, top, bottom, about, target in RATIOS:
+            # On GPUs a rank brings its own device: compare per rank. On CPUs every variant shares the cores.
+            per = ranks[top] / ranks[bottom] if settings["gpus"] and top in ranks and bottom in ranks else 1
             pairs = [
-                (a["samples_per_s"] / b["samples_per_s"])
+                a["samples_per_s"] / b["samples_per_s"] / per
                 for a in by_variant.get(top, [])
                 for b in by_variant.get(bottom, [])
                 if a["round"] == b["round"]
             ]
             if pairs:
                 target = target if workload == "vision" else None
+                about = f"{about}, per rank" if per != 1 else about
                 ratios[name] = {**spread(pairs), "about": about, "target": target}
                 if target is not None:
                     ratios[name]["met"] = ratios[name]["mean"] >= target
@@ -430,6 +434,7 @@ def main(argv=None):
         nproc=nproc,
         tuned=args.tuned,
         cores=machine["cores"],
+        gpus=len(machine["gpus"]),
         mode="full" if args.full else "quick",
         flops={w: train_flops_per_sample(w, args.image_size) for w in args.workloads},
         peak_flops=gpu_peak_flops(machine["gpus"][0], args.peak_tflops) if machine["gpus"] else None,
@@ -438,6 +443,7 @@ def main(argv=None):
     for v in variants:
         if args.global_batch % v.ranks:
             parser.error(f"--global_batch {args.global_batch} does not split evenly over {v.ranks} ranks")
+    args.out = args.out.resolve()  # the runs work in folders of their own
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     total = settings["repeats"] * len(args.workloads) * len(variants)
