@@ -269,8 +269,12 @@ def summarize(results, variants, settings):
                 target = target if workload == "vision" else None
                 about = f"{about}, per rank" if per != 1 else about
                 ratios[name] = {**spread(pairs), "about": about, "target": target}
+                ratios[name]["verdict"] = ""
                 if target is not None:
                     ratios[name]["met"] = ratios[name]["mean"] >= target
+                    ratios[name]["verdict"] = (
+                        f"target >= {target}: {'met' if ratios[name]['met'] else 'NOT met'}"
+                    )
         agreement = {}
         for v in variants:
             reference = "plain" if v.recipe == "default" else "plain_accum"
@@ -324,12 +328,10 @@ def print_report(summary, settings, machine):
             )
         print("  ratios, each within a round (mean ± std over rounds):")
         for name, ratio in part["ratios"].items():
-            target = ""
-            if ratio["target"] is not None:
-                target = f"target >= {ratio['target']}: {'met' if ratio['met'] else 'NOT met'}"
             loss = f", max loss diff {ratio['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in ratio else ""
             print(
-                f"    {name:<20} {ratio['mean']:.3f} ± {ratio['std']:.3f}  {ratio['about']}{loss}  {target}"
+                f"    {name:<20} {ratio['mean']:.3f} ± {ratio['std']:.3f}  {ratio['about']}{loss}  "
+                f"{ratio['verdict']}"
             )
         agree = ", ".join(f"{k} {v['max_abs_loss_diff']:.1e}" for k, v in part["loss_agreement"].items())
         print(f"  max |loss - reference| per variant (plain, or plain_accum for accumulation): {agree}")
@@ -339,6 +341,39 @@ def print_report(summary, settings, machine):
     )
     if not settings["peak_flops"]:
         print("MFU: n/a without a GPU (it is model FLOP/s over the GPU's dense bf16 peak).")
+
+
+def markdown(summary, settings, machine):
+    """The tables again, in Markdown, for README.md."""
+    lines = [
+        f"Measured {machine['date_utc']} UTC on {machine['cpu']} ({machine['cores']} cores, GPUs: "
+        f"{', '.join(machine['gpus']) or 'none'}), torch {machine['torch']}, "
+        f"accelerate {machine['accelerate']}, "
+        f"commit {machine['commit']}; {settings['mode']} mode, {settings['repeats']} rounds of "
+        f"{settings['epochs']} epochs, global batch {settings['global_batch']}; load average "
+        f"{settings['load_before'][0]} before, {settings['load_after'][0]} after.",
+    ]
+    for workload, part in summary.items():
+        lines += [
+            "",
+            f"**{workload}** ({settings[f'{workload}_size']} samples per epoch)",
+            "",
+            "| variant | ranks | samples/s (mean ± std) | ms/step | final loss | what |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for name, row in part["variants"].items():
+            lines.append(
+                f"| {name} | {row['ranks']} | {row['mean']:.1f} ± {row['std']:.1f} | {row['step_ms']:.1f} "
+                f"| {row['final_loss']:.6g} | {row['about']} |"
+            )
+        lines += ["", "| ratio | mean ± std | measures | target |", "|---|---:|---|---|"]
+        for name, ratio in part["ratios"].items():
+            loss = f"; max loss diff {ratio['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in ratio else ""
+            lines.append(
+                f"| {name} | {ratio['mean']:.3f} ± {ratio['std']:.3f} | {ratio['about']}{loss} "
+                f"| {ratio['verdict']} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def plot(results, summary, settings, out):
@@ -409,6 +444,8 @@ def get_parser():
 def main(argv=None):
     parser = get_parser()
     args = parser.parse_args(argv)
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the running training's processes are ended too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     import torch
 
     settings = {**(FULL if args.full else QUICK)}
@@ -476,8 +513,12 @@ def main(argv=None):
     print_report(summary, settings, machine)
     report = {"machine": machine, "settings": settings, "summary": summary, "runs": results}
     (args.out / "bench.json").write_text(json.dumps(report, indent=1))
+    (args.out / "table.md").write_text(markdown(summary, settings, machine))
     plot(results, summary, settings, args.out)
-    print(f"\nwrote {args.out / 'bench.json'}, {args.out / 'loss.png'}, {args.out / 'throughput.png'}")
+    written = ", ".join(
+        str(args.out / name) for name in ("bench.json", "table.md", "loss.png", "throughput.png")
+    )
+    print(f"\nwrote {written}")
     return report
 
 
