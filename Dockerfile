@@ -30,7 +30,7 @@ RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
     && pip install "uv==${UV_VERSION}" \
     && useradd --create-home --shell /bin/bash "$USER_NAME" \
     && mkdir -p /app /snapshots /data \
-    && chown "$USER_NAME:$USER_NAME" /snapshots /data
+    && chown "$USER_NAME:$USER_NAME" /app /snapshots /data
 
 # Dependencies before the examples: editing an example only rebuilds the last layers.
 COPY requirements.txt /tmp/requirements.txt
