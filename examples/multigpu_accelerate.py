@@ -171,6 +171,15 @@ def load_snapshot(path, model, optimizer, device, workload):
         )
 
 
+def resume_message(args, epochs_run):
+    if epochs_run >= args.total_epochs:
+        return (
+            f"{args.snapshot_path} already holds {epochs_run} epochs, nothing to train: raise TOTAL_EPOCHS "
+            "to train on, or delete the snapshot to start over"
+        )
+    return f"resuming from {args.snapshot_path} at epoch {epochs_run + 1}"
+
+
 def weights_sha256(model):
     """A fingerprint of every parameter and buffer, bit for bit."""
     digest = hashlib.sha256()
@@ -244,7 +253,7 @@ class Trainer:
         if os.path.exists(args.snapshot_path):
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
             if self.rank == 0:
-                print(f"resuming from {args.snapshot_path} at epoch {self.epochs_run + 1}", flush=True)
+                print(resume_message(args, self.epochs_run), flush=True)
         # DDP around the model, the optimizer wrapped, each process given every world_size-th batch
         self.model, self.optimizer, self.train_data = accelerator.prepare(self.model, optimizer, train_data)
 

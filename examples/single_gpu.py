@@ -164,6 +164,15 @@ def load_snapshot(path, model, optimizer, device, workload):
         )
 
 
+def resume_message(args, epochs_run):
+    if epochs_run >= args.total_epochs:
+        return (
+            f"{args.snapshot_path} already holds {epochs_run} epochs, nothing to train: raise TOTAL_EPOCHS "
+            "to train on, or delete the snapshot to start over"
+        )
+    return f"resuming from {args.snapshot_path} at epoch {epochs_run + 1}"
+
+
 def weights_sha256(model):
     """A fingerprint of every parameter and buffer, bit for bit."""
     digest = hashlib.sha256()
@@ -205,7 +214,7 @@ class Trainer:
         self.epochs_run = 0
         if os.path.exists(args.snapshot_path):
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            print(f"resuming from {args.snapshot_path} at epoch {self.epochs_run + 1}", flush=True)
+            print(resume_message(args, self.epochs_run), flush=True)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
