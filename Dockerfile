@@ -5,7 +5,6 @@
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-ARG UV_VERSION=0.13.9
 ARG USER_NAME=ddp
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -27,14 +26,15 @@ RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv "$VIRTUAL_ENV" \
-    && pip install "uv==${UV_VERSION}" \
     && useradd --create-home --shell /bin/bash "$USER_NAME" \
-    && mkdir -p /app /snapshots /data \
-    && chown "$USER_NAME:$USER_NAME" /app /snapshots /data
+    && mkdir -p /app/runs /snapshots /data \
+    && chown "$USER_NAME:$USER_NAME" /app /app/runs /snapshots /data
 
 # Dependencies before the examples: editing an example only rebuilds the last layers.
+# uv comes from the same pin file, installed with the venv's pip.
 COPY requirements.txt /tmp/requirements.txt
-RUN uv pip install -r /tmp/requirements.txt \
+RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
+    && uv pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && python -c 'import torch, torchvision, accelerate; print("torch", torch.__version__)'
 

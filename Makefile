@@ -28,6 +28,58 @@ SHELL := bash
 .DEFAULT_GOAL := help
 .PHONY: help env single_gpu multigpu torchrun multinode accelerate diff test lint pins clean distclean
 
+# ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose/) ==========
+# make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
+#                                      make image BASE_IMAGE=local/ddp-base:bookworm
+# make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers
+# make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, torchrun, multinode,
+#                                      accelerate) inside $(IMAGE) instead of $(VENV)
+IMAGE ?= ddp-examples:latest
+BASE_IMAGE ?=
+LOCAL_BASE ?= local/ddp-base:bookworm
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
+COMPOSE_PROJECT ?= ddp
+COMPOSE_CPU := -f compose/compose.yaml
+COMPOSE_GPU := $(COMPOSE_CPU) -f compose/compose.override.yaml
+IN_DOCKER ?=
+# A throwaway container of the image on the host network (so localhost rendezvous works); RUNS is kept in
+# the named volume ddp-runs, so snapshots survive from one run to the next.
+RUN_PREFIX := docker run --rm --network host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
+  -v ddp-runs:/app/runs $(IMAGE)
+ifeq ($(IN_DOCKER),1)
+PY := $(RUN_PREFIX) python
+TORCHRUN := $(RUN_PREFIX) torchrun
+# No local environment: the $(ENV) rule below then has no target and is ignored; the steps need the image.
+ENV :=
+single_gpu multigpu torchrun multinode accelerate: image
+endif
+# $(call two_node,FILES): both nodes to the end; the exit status is node0's. A finished job's containers
+# and volume are removed; a failed job's volume is kept, so the next run resumes from its snapshot.
+two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY); \
+  c="$(COMPOSE) -p $(COMPOSE_PROJECT) $(1)"; \
+  if $$c up --abort-on-container-exit --exit-code-from node0; then $$c down --volumes; \
+  else status=$$?; $$c down; exit $$status; fi
+.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
+
+image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+
+base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
+	docker/build-base.sh $(LOCAL_BASE)
+
+two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
+	$(call two_node,$(COMPOSE_GPU))
+
+two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each
+	$(call two_node,$(COMPOSE_CPU))
+
+two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
+	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
+
+two-node-down: ## remove the two-node containers, network and snapshot volume
+	$(COMPOSE) -p $(COMPOSE_PROJECT) $(COMPOSE_GPU) down --volumes --remove-orphans
+# ==== end Docker and two nodes ===========================================================================
+
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
