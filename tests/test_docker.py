@@ -6,7 +6,9 @@ configuration checks need only a Compose client. Both skip when missing, unless 
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -164,10 +166,14 @@ class ComposeProject:
         )
         return proc, time.monotonic() - start
 
+    def container(self, service):
+        ids = self("ps", "-q", service).stdout.split()
+        assert ids, f"no container for {service}"
+        return ids[0]
+
     def logs(self, service):
         """What the service printed, without Compose's prefixes."""
-        container = self("ps", "-q", service).stdout.split()
-        return run(["docker", "logs", *container], timeout=60).stdout if container else ""
+        return run(["docker", "logs", self.container(service)], timeout=60).stdout
 
     def snapshot_epochs(self, path, service="node1"):
         """EPOCHS_RUN of the snapshot at path, read through the given node's view of the shared volume."""
@@ -186,9 +192,8 @@ def project(compose, image, request):
 
     def make(files, **variables):
         name = f"ddptest{os.getpid()}{len(made)}"
-        proj = ComposeProject(
-            compose, name, files, DDP_IMAGE=image, EPOCHS=EPOCHS, SAVE_EVERY=SAVE_EVERY, **variables
-        )
+        variables = {"DDP_IMAGE": image, "EPOCHS": EPOCHS, "SAVE_EVERY": SAVE_EVERY, **variables}
+        proj = ComposeProject(compose, name, files, **variables)
         made.append(proj)
         proj.down()
         return proj
@@ -218,3 +223,35 @@ def test_a_missing_node_fails_the_run_in_bounded_time(project):
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "RendezvousTimeoutError" in proc.stdout, proc.stdout[-3000:]
     assert seconds < 120
+
+
+def test_node1_crash_is_survived(project):
+    """node1 dies mid-training (its main process killed, as by a crash or the OOM killer): Docker restarts
+    it (compose/elastic.yaml), torchrun restarts node0's processes, both meet again and resume from the
+    snapshot; the job ends with the weights of an uninterrupted run."""
+    need(os.geteuid() == 0, "killing a container's process from the host needs root", "REQUIRE_DOCKER")
+    job = {"EPOCHS": 30, "SAVE_EVERY": 5}
+    reference = project(CPU, **job)
+    proc, _ = reference.up()
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    expected = TrainLog(reference.logs("node0")).checksum
+    assert expected
+
+    proj = project((*CPU, "elastic.yaml"), **job)
+    proj("up", "-d")
+    node0, node1 = proj.container("node0"), proj.container("node1")
+    deadline = time.monotonic() + 300
+    while not re.search(r"^epoch 6/", proj.logs("node0"), re.M):
+        assert time.monotonic() < deadline, "training did not reach epoch 6 in time"
+        time.sleep(0.5)
+    pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", node1], timeout=30).stdout
+    os.kill(int(pid), signal.SIGKILL)
+
+    status = run(["docker", "wait", node0], timeout=600).stdout.strip()
+    log = TrainLog(proj.logs("node0"))
+    assert status == "0", log.text[-4000:]
+    restarts = run(["docker", "inspect", "-f", "{{.RestartCount}}", node1], timeout=30).stdout
+    assert int(restarts) >= 1
+    assert "resuming from /snapshots/multinode.pt" in log.text, log.text[-4000:]
+    log.assert_trained(world_size=4)
+    assert log.checksum == expected
