@@ -131,7 +131,7 @@ pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3
 	  tools/requirements.in -o requirements.txt
 
 clean: ## remove snapshots, logs and caches
-	rm -rf $(RUNS) .pytest_cache .ruff_cache snapshot.pt
+	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt metrics.jsonl
 
 distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)

@@ -37,7 +37,10 @@ def get_parser():
     )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, initial weights and shuffling")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to this file")
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    parser.add_argument(
+        "--snapshot_path", default=f"{script}_snapshot.pt", help="resume from, save to (default: %(default)s)"
+    )
     parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
     parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
     parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png); default synthetic")
@@ -180,9 +183,10 @@ def resume_message(args, epochs_run):
 
 
 def weights_sha256(model):
-    """A fingerprint of every parameter and buffer, bit for bit."""
+    """A fingerprint of every parameter, bit for bit. Buffers such as BatchNorm statistics are left out:
+    each process updates its own, and DDP copies rank 0's to the others at the start of every forward."""
     digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    for tensor in model.parameters():
         t = tensor.detach().cpu().contiguous()
         digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return digest.hexdigest()[:12]

@@ -15,10 +15,10 @@ DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
 
 
 class Run:
-    def __init__(self, folder, proc):
+    def __init__(self, name, folder, proc):
         self.folder = folder
         self.log = TrainLog(proc.stdout)
-        self.snapshot = folder / "snapshot.pt"
+        self.snapshot = folder / f"{name}_snapshot.pt"
         self.metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
         batch = BATCH * NPROC if name == "single_gpu" else BATCH
         args = [EPOCHS, 2, "--batch_size", batch, *COMMON]
         proc = run(example_cmd(name, *args, nproc=NPROC, script=script), timeout=300, cwd=folder)
-        results[name] = Run(folder, proc)
+        results[name] = Run(name, folder, proc)
     return results
 
 
@@ -44,7 +44,7 @@ def test_trains_from_a_lone_copy(runs, name):
     assert result.log.epochs == list(range(1, EPOCHS + 1))
     # Only what the run was asked to write: no stray temporary snapshot files.
     written = sorted(p.name for p in result.folder.iterdir())
-    assert written == sorted([f"{name}.py", "metrics.jsonl", "snapshot.pt"])
+    assert written == sorted([f"{name}.py", "metrics.jsonl", f"{name}_snapshot.pt"])
 
 
 @pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
@@ -78,9 +78,10 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
     first = run(example_cmd(name, 2, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(first.stdout).epochs == [1, 2]
     second = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
-    assert "resuming from snapshot.pt at epoch 3" in second.stdout
+    assert f"resuming from {name}_snapshot.pt at epoch 3" in second.stdout
     assert TrainLog(second.stdout).epochs == [3, 4], "the saved epoch is not run again"
-    resumed, uninterrupted = load_snapshot(tmp_path / "snapshot.pt"), load_snapshot(runs[name].snapshot)
+    resumed = load_snapshot(tmp_path / f"{name}_snapshot.pt")
+    uninterrupted = load_snapshot(runs[name].snapshot)
     for key, tensor in uninterrupted["MODEL_STATE"].items():
         assert torch.equal(resumed["MODEL_STATE"][key], tensor), key
     assert TrainLog(second.stdout).checksum == runs[name].log.checksum
