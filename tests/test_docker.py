@@ -24,6 +24,8 @@ VARIANTS = {
     "gpu": GPU,
     "accelerate-cpu": (*CPU, "accelerate.yaml"),
     "accelerate-gpu": (*GPU, "accelerate.yaml"),
+    "elastic-cpu": (*CPU, "elastic.yaml"),
+    "elastic-gpu": (*GPU, "elastic.yaml"),
 }
 BASE_IMAGE = "local/ddp-base:bookworm"
 IMAGE = "ddp-examples:test"
@@ -102,7 +104,7 @@ def normalized(service, devices=True):
     return service
 
 
-@pytest.mark.parametrize("example", ["", "accelerate-"])
+@pytest.mark.parametrize("example", ["", "accelerate-", "elastic-"])
 def test_gpu_and_cpu_variants_run_the_same_job(compose, example):
     """The GPU files differ from the CPU ones by device settings only, so the variants cannot drift."""
     cpu = resolved(compose, VARIANTS[example + "cpu"])["services"]
