@@ -205,6 +205,11 @@ def project(compose, image, request):
         proj.down()
 
 
+# Real runs: the first one also waits for the image build (minutes on a cold machine).
+SLOW = pytest.mark.timeout(1800)
+
+
+@SLOW
 @pytest.mark.parametrize(("variant", "snapshot"), [("cpu", "multinode"), ("accelerate-cpu", "accelerate")])
 def test_two_containers_train_one_job(project, variant, snapshot):
     proj = project(VARIANTS[variant])
@@ -218,6 +223,7 @@ def test_two_containers_train_one_job(project, variant, snapshot):
     assert proj.snapshot_epochs(SNAPSHOTS[snapshot]) == EPOCHS
 
 
+@SLOW
 def test_a_missing_node_fails_the_run_in_bounded_time(project):
     """node1 never starts: node0 gives up after the rendezvous join timeout, and `up` exits non-zero."""
     proj = project(CPU, JOIN_TIMEOUT=20)
@@ -227,6 +233,7 @@ def test_a_missing_node_fails_the_run_in_bounded_time(project):
     assert seconds < 120
 
 
+@SLOW
 def test_node1_crash_is_survived(project):
     """node1 dies mid-training (its main process killed, as by a crash or the OOM killer): Docker restarts
     it (compose/elastic.yaml), torchrun restarts node0's processes, both meet again and resume from the
