@@ -7,6 +7,10 @@ ARGS ?=
 # Processes per node: one per GPU, or 2 on a machine without GPUs.
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+# torchrun's rendezvous gives up after these seconds instead of the default 600 when a node never comes.
+RDZV_CONF ?= join_timeout=60,read_timeout=30
+# For `make doctor`: a rendezvous HOST:PORT to try to reach.
+ENDPOINT ?=
 # Where snapshots and logs go, one folder per target.
 RUNS ?= runs
 # The local Python environment (uv into a virtual environment, pinned by requirements.txt).
@@ -26,7 +30,7 @@ retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; 
 SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
-.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff test lint pins clean distclean
+.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff doctor test lint pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose/) ==========
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -104,7 +108,8 @@ torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
 
 multinode: $(ENV) ## step 4: two local "nodes", NPROC processes each, c10d rendezvous on localhost
 	@port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
-	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode examples/multinode.py $(TRAIN_ARGS)"; \
+	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
+	  examples/multinode.py $(TRAIN_ARGS)"; \
 	echo "on each of two nodes: $$node"; \
 	$$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
 	$$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
@@ -116,6 +121,9 @@ accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
+
+doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
+	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
 
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
