@@ -46,9 +46,10 @@ COMPOSE_PROJECT ?= ddp
 COMPOSE_CPU := -f compose/compose.yaml
 COMPOSE_GPU := $(COMPOSE_CPU) -f compose/compose.override.yaml
 IN_DOCKER ?=
-# A throwaway container of the image on the host network (so localhost rendezvous works); RUNS is kept in
-# the named volume ddp-runs, so snapshots survive from one run to the next.
-RUN_PREFIX := docker run --rm --network host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
+# A throwaway container of the image on the host network and process table, so that localhost rendezvous
+# works and two containers started alike (make multinode) are told apart by their process ids; RUNS is kept
+# in the named volume ddp-runs, so snapshots survive from one run to the next.
+RUN_PREFIX := docker run --rm --network host --pid host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
   -v ddp-runs:/app/runs $(IMAGE)
 ifeq ($(IN_DOCKER),1)
 PY := $(RUN_PREFIX) python
