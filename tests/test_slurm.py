@@ -1,0 +1,139 @@
+"""examples/slurm/sbatch_run.sh as a real Slurm job spanning two nodes.
+
+Needs a Slurm cluster with two idle nodes of at least 2 CPUs that see this repository and the test's
+temporary directory, such as the one `tools/slurm-cluster.sh up` (or `make slurm-cluster`) starts on this
+machine. Skipped when none answers, unless REQUIRE_SLURM=1.
+"""
+
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, TORCHRUN, TrainLog, need, run
+
+JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
+CLUSTER = REPO / "tools" / "slurm-cluster.sh"
+NODES = 2
+CPUS_PER_TASK = 2
+JOB_BOUND = 300  # seconds from submission to a final state
+FINAL_STATES = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """Environment for Slurm commands: SLURM_CONF of the local cluster when it is up and none is set."""
+    env = {}
+    if "SLURM_CONF" not in os.environ:
+        line = run([CLUSTER, "env"], timeout=10).stdout.strip()
+        conf = line.split("=", 1)[1]
+        if os.path.exists(conf):
+            env["SLURM_CONF"] = conf
+    try:
+        proc = subprocess.run(
+            ["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ, **env},
+        )
+        idle = proc.stdout.split() if proc.returncode == 0 else []
+        reason = proc.stderr.strip() or f"{len(idle)} idle nodes"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        idle, reason = [], str(exc)
+    need(
+        len(idle) >= NODES,
+        f"no Slurm cluster with {NODES} idle nodes ({reason}); start one with `make slurm-cluster`",
+        "REQUIRE_SLURM",
+    )
+    return env
+
+
+def job_field(text, name):
+    match = re.search(rf"\b{name}=(\S+)", text)
+    return match.group(1) if match else None
+
+
+def submit_and_wait(env, workdir, args, extra_env):
+    """sbatch the job script from the repository root with workdir as the job's directory, wait until it
+    ends; return (final state, seconds from submission to that state, text of its output file)."""
+    job_env = {**env, "TORCHRUN": " ".join(TORCHRUN), **extra_env}
+    start = time.monotonic()
+    proc = run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={workdir}",
+            f"--nodes={NODES}",
+            f"--cpus-per-task={CPUS_PER_TASK}",
+            "--time=5",
+            JOB_SCRIPT,
+            *args,
+        ],
+        timeout=30,
+        env=job_env,
+        cwd=REPO,
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    state = None
+    while time.monotonic() - start < JOB_BOUND:
+        info = run(["scontrol", "-o", "show", "job", job_id], timeout=20, env=env).stdout
+        state = job_field(info, "JobState")
+        if state in FINAL_STATES:
+            break
+        time.sleep(1)
+    elapsed = time.monotonic() - start
+    out_file = workdir / f"ddp-multinode-{job_id}.out"
+    output = out_file.read_text() if out_file.exists() else f"(no {out_file})"
+    if state not in FINAL_STATES:
+        run(["scancel", job_id], timeout=20, env=env, check=False)
+        pytest.fail(f"job {job_id} still {state} after {JOB_BOUND}s:\n{output[-4000:]}")
+    return state, elapsed, output
+
+
+def test_job_trains_across_two_nodes(slurm_env, tmp_path):
+    snapshot = tmp_path / "shared" / "snapshot.pt"
+    state, _, output = submit_and_wait(
+        slurm_env,
+        tmp_path,
+        ["5", "2", "--workload", "tiny", "--seed", "0"],
+        {"SNAPSHOT_PATH": str(snapshot)},
+    )
+    assert state == "COMPLETED", output[-4000:]
+    log = TrainLog(output)
+    assert log.num_hosts == NODES, output[-4000:]
+    # One torchrun per node; NPROC_PER_NODE unset, so processes per node come from --cpus-per-task.
+    log.assert_trained(world_size=NODES * CPUS_PER_TASK)
+    assert snapshot.is_file(), output[-4000:]
+
+
+def test_job_without_rendezvous_fails_in_bound(slurm_env, tmp_path):
+    # 192.0.2.1 is a documentation address (TEST-NET-1): nothing answers there, so the nodes never meet.
+    state, elapsed, output = submit_and_wait(
+        slurm_env,
+        tmp_path,
+        ["5", "2", "--workload", "tiny"],
+        {"RDZV_HOST": "192.0.2.1", "SNAPSHOT_PATH": str(tmp_path / "snapshot.pt")},
+    )
+    assert state == "FAILED", output[-4000:]
+    assert elapsed < 180, f"took {elapsed:.0f}s to fail"
+    assert "RendezvousConnectionError" in output, output[-4000:]
+    assert "training failed" in output, output[-4000:]
+    assert TrainLog(output).num_hosts is None, output[-4000:]
+
+
+def test_job_script_refuses_to_run_outside_slurm():
+    proc = run(["bash", JOB_SCRIPT, "5", "2"], timeout=10, check=False, env={"SLURM_JOB_ID": ""})
+    assert proc.returncode == 2
+    assert "run this with sbatch" in proc.stdout
