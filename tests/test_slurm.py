@@ -49,7 +49,7 @@ def slurm_env():
             env={**os.environ, **env},
         )
         idle = proc.stdout.split() if proc.returncode == 0 else []
-        reason = proc.stderr.strip() or f"{len(idle)} idle nodes"
+        reason = (proc.stderr.strip().splitlines() or [f"{len(idle)} idle nodes"])[-1]
     except (OSError, subprocess.TimeoutExpired) as exc:
         idle, reason = [], str(exc)
     need(
