@@ -1,0 +1,266 @@
+"""Step 1: train on one device, a GPU when there is one, else the CPU.
+
+    python single_gpu.py 10 5                      # tiny regression, 10 epochs, snapshot every 5
+    python single_gpu.py 10 5 --workload vision    # ResNet-18 on synthetic 32x32 images
+    python single_gpu.py 10 5 --workload vision --data_dir ~/data/train   # an ImageFolder tree
+
+Every later step is this file plus the changes DDP needs; `make diff` prints them.
+"""
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+# ---- shared: arguments ----
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("total_epochs", type=int, help="epochs to train in all")
+    parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
+    parser.add_argument(
+        "--batch_size", type=int, default=32, help="samples per step per process (default 32)"
+    )
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, initial weights and shuffling")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to this file")
+    parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
+    parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
+    parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png); default synthetic")
+    parser.add_argument(
+        "--dataset_size", type=int, default=2048, help="samples when generated (default 2048)"
+    )
+    parser.add_argument(
+        "--image_size", type=int, default=32, help="vision: image side in pixels (default 32)"
+    )
+    parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    return parser
+
+
+def check_args(parser, args):
+    """Reject bad input before any work starts: argparse-style message, exit status 2."""
+    for name in ("total_epochs", "save_every", "batch_size", "dataset_size", "image_size", "lr", "timeout"):
+        if getattr(args, name) <= 0:
+            parser.error(f"{name} must be positive, got {getattr(args, name)}")
+    if args.num_workers < 0:
+        parser.error(f"num_workers must be 0 or more, got {args.num_workers}")
+    if args.data_dir and args.workload != "vision":
+        parser.error("--data_dir needs --workload vision")
+    if args.data_dir and not os.path.isdir(args.data_dir):
+        parser.error(f"--data_dir {args.data_dir} is not a directory")
+
+
+def check_dataset(parser, train_set, world_size, batch_size):
+    if len(train_set) < world_size * batch_size:
+        parser.error(
+            f"the dataset has {len(train_set)} samples, fewer than one step needs: "
+            f"{world_size} process(es) x batch_size {batch_size}"
+        )
+
+
+# ---- end shared ----
+
+
+# ---- shared: workloads ----
+def tiny_dataset(size, seed):
+    """Linear regression toward a hidden target, generated from the seed: the same in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, 20, generator=gen)
+    weight, bias = torch.randn(20, 1, generator=gen), torch.randn(1, generator=gen)
+    targets = inputs @ weight + bias + 0.01 * torch.randn(size, 1, generator=gen)
+    return TensorDataset(inputs, targets)
+
+
+def vision_dataset(args):
+    """Images from an ImageFolder tree, or synthetic ones: each class a fixed pattern plus noise."""
+    if args.data_dir:
+        from torchvision import datasets, transforms
+
+        transform = transforms.Compose(
+            [
+                transforms.Resize((args.image_size, args.image_size)),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+            ]
+        )
+        try:
+            return datasets.ImageFolder(args.data_dir, transform=transform)
+        except (FileNotFoundError, OSError) as exc:
+            raise ValueError(f"--data_dir {args.data_dir}: {exc}") from None
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (3, args.image_size, args.image_size)
+    labels = torch.randint(10, (args.dataset_size,), generator=gen)
+    patterns = torch.randn(10, *shape, generator=gen)
+    images = patterns[labels] + torch.randn(args.dataset_size, *shape, generator=gen)
+    return TensorDataset(images, labels)
+
+
+def load_train_objs(args):
+    """The dataset, the model, its optimizer and loss function for the chosen workload."""
+    torch.manual_seed(args.seed)  # the same initial weights in every process and every run
+    if args.workload == "tiny":
+        train_set = tiny_dataset(args.dataset_size, args.seed)
+        model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
+    else:
+        from torchvision.models import resnet18
+
+        train_set = vision_dataset(args)
+        num_classes = len(train_set.classes) if hasattr(train_set, "classes") else 10
+        model, loss_fn = resnet18(num_classes=num_classes), F.cross_entropy
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train_set, model, optimizer, loss_fn
+
+
+# ---- end shared ----
+
+
+# ---- shared: snapshots ----
+def save_snapshot(path, model, optimizer, epochs_run, workload):
+    """Write the snapshot atomically: a crash mid-write leaves the previous one intact."""
+    snapshot = {
+        "MODEL_STATE": model.state_dict(),
+        "OPTIMIZER_STATE": optimizer.state_dict(),
+        "EPOCHS_RUN": epochs_run,
+        "WORKLOAD": workload,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(snapshot, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_snapshot(path, model, optimizer, device, workload):
+    """Restore model and optimizer in place; return the number of epochs already run."""
+    try:
+        # weights_only: tensors and plain containers only, a pickle that would run code is refused
+        snapshot = torch.load(path, map_location=device, weights_only=True)
+        if snapshot.get("WORKLOAD") != workload:
+            raise ValueError(f"it was written by the {snapshot.get('WORKLOAD')!r} workload, not {workload!r}")
+        model.load_state_dict(snapshot["MODEL_STATE"])
+        optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        return int(snapshot["EPOCHS_RUN"])
+    except Exception as exc:  # whatever went wrong, the advice is the same
+        sys.exit(
+            f"error: cannot resume from snapshot {path}: {exc}\n"
+            "It is unreadable, truncated or from another model. It was left untouched: move it away to "
+            "start from scratch, or pass --snapshot_path with a new file."
+        )
+
+
+def weights_sha256(model):
+    """A fingerprint of every parameter and buffer, bit for bit."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return digest.hexdigest()[:12]
+
+
+def log_epoch(args, epoch, loss, samples, seconds, world_size):
+    print(
+        f"epoch {epoch}/{args.total_epochs} | loss {loss:.6g} | {samples / seconds:.0f} samples/s | "
+        f"{seconds:.2f} s | world_size {world_size}",
+        flush=True,
+    )
+    if args.metrics_path:
+        record = {
+            "epoch": epoch,
+            "loss": loss,
+            "samples_per_s": samples / seconds,
+            "epoch_time_s": seconds,
+            "world_size": world_size,
+        }
+        with open(args.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# ---- end shared ----
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
+        self.device = device
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.args = args
+        self.epochs_run = 0
+        if os.path.exists(args.snapshot_path):
+            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
+            print(f"resuming from {args.snapshot_path} at epoch {self.epochs_run + 1}", flush=True)
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
+        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
+        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss = self._run_batch(source, targets)
+            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
+        return totals
+
+    def _save_snapshot(self, epochs_run):
+        save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epochs_run, self.args.workload)
+
+    def train(self):
+        for epoch in range(self.epochs_run, self.args.total_epochs):
+            start = time.perf_counter()
+            loss_sum, samples = self._run_epoch(epoch).tolist()
+            log_epoch(self.args, epoch + 1, loss_sum / samples, samples, time.perf_counter() - start, 1)
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                self._save_snapshot(epoch + 1)
+        print(f"final weights sha256 {weights_sha256(self.model)}", flush=True)
+
+
+def prepare_dataloader(dataset, args):
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        # one replica: a seeded shuffle, reshuffled by set_epoch; the DDP steps split the same order
+        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
+    )
+
+
+def main():
+    parser = get_parser()
+    args = parser.parse_args()
+    check_args(parser, args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        train_set, model, optimizer, loss_fn = load_train_objs(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    check_dataset(parser, train_set, 1, args.batch_size)
+    train_data = prepare_dataloader(train_set, args)
+    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+
+
+if __name__ == "__main__":
+    main()
