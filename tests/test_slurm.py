@@ -102,13 +102,14 @@ def submit_and_wait(env, workdir, args, extra_env):
     return state, elapsed, output
 
 
-def test_job_trains_across_two_nodes(slurm_env, tmp_path):
+@pytest.mark.parametrize("script", ["multinode.py", "multigpu_accelerate.py"])
+def test_job_trains_across_two_nodes(slurm_env, tmp_path, script):
     snapshot = tmp_path / "shared" / "snapshot.pt"
     state, _, output = submit_and_wait(
         slurm_env,
         tmp_path,
         ["5", "2", "--workload", "tiny", "--seed", "0"],
-        {"SNAPSHOT_PATH": str(snapshot)},
+        {"SCRIPT": script, "SNAPSHOT_PATH": str(snapshot)},
     )
     assert state == "COMPLETED", output[-4000:]
     log = TrainLog(output)
