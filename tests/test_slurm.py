@@ -1,8 +1,8 @@
 """examples/slurm/sbatch_run.sh as a real Slurm job spanning two nodes.
 
-Needs a Slurm cluster with two idle nodes of at least 2 CPUs that see this repository and the test's
-temporary directory, such as the one `tools/slurm-cluster.sh up` (or `make slurm-cluster`) starts on this
-machine. Skipped when none answers, unless REQUIRE_SLURM=1.
+Needs a Slurm cluster with two idle nodes, each with at least 2 CPUs and 2 GPUs (gres), that see this
+repository and the test's temporary directory: the one `tools/slurm-cluster.sh up` (or `make slurm-cluster`)
+starts on this machine has them. Skipped when none answers, unless REQUIRE_SLURM=1.
 """
 
 import os
@@ -16,7 +16,7 @@ from conftest import REPO, TORCHRUN, TrainLog, need, run
 JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
 CLUSTER = REPO / "tools" / "slurm-cluster.sh"
 NODES = 2
-CPUS_PER_TASK = 2
+PROCS_PER_NODE = 2
 JOB_BOUND = 300  # seconds from submission to a final state
 FINAL_STATES = {
     "BOOT_FAIL",
@@ -65,7 +65,7 @@ def job_field(text, name):
     return match.group(1) if match else None
 
 
-def submit_and_wait(env, workdir, args, extra_env):
+def submit_and_wait(env, workdir, args, extra_env, sbatch_opts=(f"--cpus-per-task={PROCS_PER_NODE}",)):
     """sbatch the job script from the repository root with workdir as the job's directory, wait until it
     ends; return (final state, seconds from submission to that state, text of its output file)."""
     job_env = {**env, "TORCHRUN": " ".join(TORCHRUN), **extra_env}
@@ -76,8 +76,8 @@ def submit_and_wait(env, workdir, args, extra_env):
             "--parsable",
             f"--chdir={workdir}",
             f"--nodes={NODES}",
-            f"--cpus-per-task={CPUS_PER_TASK}",
             "--time=5",
+            *sbatch_opts,
             JOB_SCRIPT,
             *args,
         ],
@@ -102,20 +102,29 @@ def submit_and_wait(env, workdir, args, extra_env):
     return state, elapsed, output
 
 
-@pytest.mark.parametrize("script", ["multinode.py", "multigpu_accelerate.py"])
-def test_job_trains_across_two_nodes(slurm_env, tmp_path, script):
+# NPROC_PER_NODE is unset, so the job script derives the processes per node from the allocation: from
+# --cpus-per-task, or from the GPUs per node (the local cluster's GPUs are count-only: the processes find no
+# CUDA and train on the CPU, but Slurm allocates them and sets SLURM_GPUS_ON_NODE like on a GPU cluster).
+@pytest.mark.parametrize(
+    "script, allocation",
+    [
+        ("multinode.py", f"--cpus-per-task={PROCS_PER_NODE}"),
+        ("multigpu_accelerate.py", f"--gpus-per-node={PROCS_PER_NODE}"),
+    ],
+)
+def test_job_trains_across_two_nodes(slurm_env, tmp_path, script, allocation):
     snapshot = tmp_path / "shared" / "snapshot.pt"
     state, _, output = submit_and_wait(
         slurm_env,
         tmp_path,
         ["5", "2", "--workload", "tiny", "--seed", "0"],
         {"SCRIPT": script, "SNAPSHOT_PATH": str(snapshot)},
+        sbatch_opts=[allocation],
     )
     assert state == "COMPLETED", output[-4000:]
     log = TrainLog(output)
     assert log.num_hosts == NODES, output[-4000:]
-    # One torchrun per node; NPROC_PER_NODE unset, so processes per node come from --cpus-per-task.
-    log.assert_trained(world_size=NODES * CPUS_PER_TASK)
+    log.assert_trained(world_size=NODES * PROCS_PER_NODE)
     assert snapshot.is_file(), output[-4000:]
 
 
