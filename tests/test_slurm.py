@@ -7,8 +7,10 @@ starts on this machine has them. Skipped when none answers, unless REQUIRE_SLURM
 
 import os
 import re
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TORCHRUN, TrainLog, need, run
@@ -65,9 +67,12 @@ def job_field(text, name):
     return match.group(1) if match else None
 
 
-def submit_and_wait(env, workdir, args, extra_env, sbatch_opts=(f"--cpus-per-task={PROCS_PER_NODE}",)):
+def submit_and_wait(
+    env, workdir, args, extra_env, sbatch_opts=(f"--cpus-per-task={PROCS_PER_NODE}",), while_running=None
+):
     """sbatch the job script from the repository root with workdir as the job's directory, wait until it
-    ends; return (final state, seconds from submission to that state, text of its output file)."""
+    ends, calling while_running(output so far) once a second; return (final state, seconds from submission
+    to that state, text of its output file)."""
     job_env = {**env, "TORCHRUN": " ".join(TORCHRUN), **extra_env}
     start = time.monotonic()
     proc = run(
@@ -86,15 +91,17 @@ def submit_and_wait(env, workdir, args, extra_env, sbatch_opts=(f"--cpus-per-tas
         cwd=REPO,
     )
     job_id = proc.stdout.strip().split(";")[0]
+    out_file = workdir / f"ddp-multinode-{job_id}.out"
     state = None
     while time.monotonic() - start < JOB_BOUND:
         info = run(["scontrol", "-o", "show", "job", job_id], timeout=20, env=env).stdout
         state = job_field(info, "JobState")
         if state in FINAL_STATES:
             break
+        if while_running and out_file.exists():
+            while_running(out_file.read_text())
         time.sleep(1)
     elapsed = time.monotonic() - start
-    out_file = workdir / f"ddp-multinode-{job_id}.out"
     output = out_file.read_text() if out_file.exists() else f"(no {out_file})"
     if state not in FINAL_STATES:
         run(["scancel", job_id], timeout=20, env=env, check=False)
@@ -147,3 +154,52 @@ def test_job_script_refuses_to_run_outside_slurm():
     proc = run(["bash", JOB_SCRIPT, "5", "2"], timeout=10, check=False, env={"SLURM_JOB_ID": ""})
     assert proc.returncode == 2
     assert "run this with sbatch" in proc.stdout
+
+
+def training_pids(marker, rank):
+    """Training processes on this machine (the local cluster's nodes share it) with marker among their
+    arguments and the given global RANK; torchrun itself is not one of them."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            marker.encode() in argv
+            and f"RANK={rank}".encode() in environ
+            and not any(b"torch.distributed.run" in a or a.endswith(b"torchrun") for a in argv)
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_job_resumes_after_a_training_process_dies(slurm_env, tmp_path):
+    snapshot = str(tmp_path / "snapshot.pt")
+    last_rank = NODES * PROCS_PER_NODE - 1  # on the second node, away from rank 0, which prints
+    killed = []
+
+    def kill_one_after_first_epoch(output):
+        if killed or not re.search(r"^epoch 1/", output, re.MULTILINE):
+            return
+        for pid in training_pids(snapshot, last_rank):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    # A bigger dataset makes each epoch last a few seconds, so the kill lands in the middle of the run.
+    state, _, output = submit_and_wait(
+        slurm_env,
+        tmp_path,
+        ["6", "1", "--workload", "tiny", "--dataset_size", "40000"],
+        {"SNAPSHOT_PATH": snapshot},
+        while_running=kill_one_after_first_epoch,
+    )
+    assert killed, f"found no process of rank {last_rank} on this machine to kill:\n{output[-4000:]}"
+    assert state == "COMPLETED", output[-4000:]
+    assert "resuming from" in output, output[-4000:]
+    log = TrainLog(output)
+    assert log.epochs[-1] == 6, output[-4000:]
+    log.assert_trained(world_size=NODES * PROCS_PER_NODE)

@@ -58,6 +58,11 @@ rdzv_port=${RDZV_PORT:-29500}
 snapshot=${SNAPSHOT_PATH:-$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt}
 mkdir -p "$(dirname "$snapshot")"
 read -ra torchrun <<<"${TORCHRUN:-torchrun}"
+# After a restart (--max-restarts), the training processes of the new attempt must not find the addresses
+# the previous attempt left in torchrun's rendezvous store: with the store shared (torch's default), the new
+# process group reads stale ones and fails to connect ("Gloo connectFullMesh failed ... Connection refused").
+# Unshared, every attempt gets a store of its own.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 # One task per node, whatever --ntasks-per-node the job was given; the step gets the job's CPUs per task
 # explicitly, since srun does not take them from the job on every Slurm version.
