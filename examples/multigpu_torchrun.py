@@ -37,7 +37,10 @@ def get_parser():
     )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, initial weights and shuffling")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to this file")
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    parser.add_argument(
+        "--snapshot_path", default=f"{script}_snapshot.pt", help="resume from, save to (default: %(default)s)"
+    )
     parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
     parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
     parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png); default synthetic")
@@ -170,10 +173,20 @@ def load_snapshot(path, model, optimizer, device, workload):
         )
 
 
+def resume_message(args, epochs_run):
+    if epochs_run >= args.total_epochs:
+        return (
+            f"{args.snapshot_path} already holds {epochs_run} epochs, nothing to train: raise TOTAL_EPOCHS "
+            "to train on, or delete the snapshot to start over"
+        )
+    return f"resuming from {args.snapshot_path} at epoch {epochs_run + 1}"
+
+
 def weights_sha256(model):
-    """A fingerprint of every parameter and buffer, bit for bit."""
+    """A fingerprint of every parameter, bit for bit. Buffers such as BatchNorm statistics are left out:
+    each process updates its own, and DDP copies rank 0's to the others at the start of every forward."""
     digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    for tensor in model.parameters():
         t = tensor.detach().cpu().contiguous()
         digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return digest.hexdigest()[:12]
@@ -252,7 +265,7 @@ class Trainer:
         if os.path.exists(args.snapshot_path):
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
             if self.rank == 0:
-                print(f"resuming from {args.snapshot_path} at epoch {self.epochs_run + 1}", flush=True)
+                print(resume_message(args, self.epochs_run), flush=True)
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _run_batch(self, source, targets):

@@ -12,10 +12,13 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed to make as VENV
 
-EPOCH_RE = re.compile(r"^epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
-FINAL_RE = re.compile(r"^final weights sha256 ([0-9a-f]+) identical on (\d+) ranks$", re.M)
-HOSTS_RE = re.compile(r"^world_size (\d+) across (\d+) hosts: (.*)$", re.M)
+# Lines printed by rank 0; `make multinode` prefixes each node's output with "[nodeN] ".
+NODE = r"^(?:\[\w+\] )?"
+EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
+FINAL_RE = re.compile(NODE + r"final weights sha256 ([0-9a-f]+)(?: identical on (\d+) ranks)?$", re.M)
+HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts?: (.*)$", re.M)
 
 
 def run(cmd, *, timeout, check=True, env=None, **kwargs):
@@ -50,7 +53,8 @@ class TrainLog:
         self.world_size = int(epochs[-1][3]) if epochs else None
         final = FINAL_RE.search(text)
         self.checksum = final.group(1) if final else None
-        self.ranks_in_sync = int(final.group(2)) if final else None
+        # a single process prints no rank count: it is trivially in sync with itself
+        self.ranks_in_sync = int(final.group(2) or 1) if final else None
         hosts = HOSTS_RE.search(text)
         self.num_hosts = int(hosts.group(2)) if hosts else None
 
@@ -68,3 +72,19 @@ def need(available, reason, require_var):
     if os.environ.get(require_var) == "1":
         pytest.fail(f"{reason} (and {require_var}=1)")
     pytest.skip(reason)
+
+
+def example_cmd(name, *args, nproc=2, script=None):
+    """The command that starts an example the way it is meant to be started (plain, spawn or torchrun)."""
+    script = script or EXAMPLES / f"{name}.py"
+    if name == "single_gpu":
+        return [PYTHON, script, *args]
+    if name == "multigpu":
+        return [PYTHON, script, *args, "--nproc", str(nproc)]
+    return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", script, *args]
+
+
+def load_snapshot(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

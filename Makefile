@@ -1,0 +1,85 @@
+# One target per step of the tutorial. Every target creates the Python environment first if it is missing.
+# Override on the command line:  make multigpu EPOCHS=20 NPROC=4 ARGS="--workload vision"
+
+EPOCHS ?= 10
+SAVE_EVERY ?= 5
+ARGS ?=
+# Processes per node: one per GPU, or 2 on a machine without GPUs.
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+# Where snapshots and logs go, one folder per target.
+RUNS ?= runs
+# The local Python environment (uv into a virtual environment, pinned by requirements.txt).
+VENV ?= .venv
+PYTHON3 ?= python3
+
+PY := $(VENV)/bin/python
+TORCHRUN := $(PY) -m torch.distributed.run
+ENV := $(VENV)/.installed
+TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
+# A free port for the local two-node rendezvous, so two runs never collide.
+FREE_PORT = $(shell $(PYTHON3) -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+STEPS := single_gpu multigpu multigpu_torchrun multinode
+# $(call retry,COMMAND): up to three tries, for downloads through a flaky network.
+retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; test -n "$$ok"
+
+SHELL := bash
+.SHELLFLAGS := -o pipefail -c
+.DEFAULT_GOAL := help
+.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff test lint pins clean distclean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
+	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
+
+env: $(ENV) ## create the pinned Python environment in $(VENV)
+
+$(ENV): requirements.txt
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(call retry,$(PY) -m pip install -q "$$(grep '^uv==' requirements.txt)")
+	$(call retry,$(VENV)/bin/uv pip install -q --python $(PY) -r requirements.txt)
+	$(PY) -c 'import torch, torchvision, accelerate'
+	touch $@
+
+single_gpu: $(ENV) ## step 1: one device (GPU, else CPU)
+	$(PY) examples/single_gpu.py $(TRAIN_ARGS)
+
+multigpu: $(ENV) ## step 2: DDP with mp.spawn, NPROC processes on this machine
+	$(PY) examples/multigpu.py $(TRAIN_ARGS) --nproc $(NPROC)
+
+torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_torchrun.py $(TRAIN_ARGS)
+
+multinode: $(ENV) ## step 4: two local "nodes", NPROC processes each, c10d rendezvous on localhost
+	@port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
+	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode examples/multinode.py $(TRAIN_ARGS)"; \
+	echo "on each of two nodes: $$node"; \
+	$$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
+	$$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
+	wait $$first && wait $$second
+
+accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_accelerate.py $(TRAIN_ARGS)
+
+diff: ## what each step adds to the previous one
+	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
+	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
+
+test: $(ENV) ## run the test suite
+	$(PY) -m pytest $(TEST_ARGS)
+
+lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	git ls-files -z '*.sh' .ci/run | xargs -0 $(VENV)/bin/shellcheck
+	git ls-files -z 'Dockerfile' | xargs -0 -r $(VENV)/bin/hadolint
+
+pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3.11 and 3.12)
+	$(VENV)/bin/uv pip compile -q --universal --python-version 3.11 --no-header --no-annotate \
+	  tools/requirements.in -o requirements.txt
+
+clean: ## remove snapshots, logs and caches
+	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt metrics.jsonl
+
+distclean: clean ## also remove the Python environment
+	rm -rf $(VENV)

@@ -1,0 +1,57 @@
+"""Bad input: an argparse-style message, exit status 2, and nothing written."""
+
+import pytest
+from conftest import EXAMPLES, PYTHON, TORCHRUN, run
+
+CASES = [
+    (["0", "1"], "total_epochs must be positive"),
+    (["1", "0"], "save_every must be positive"),
+    (["x", "1"], "invalid int value: 'x'"),
+    (["1", "1", "--batch_size", "0"], "batch_size must be positive"),
+    (["1", "1", "--workload", "nope"], "invalid choice: 'nope'"),
+    (["1", "1", "--workload", "vision", "--data_dir", "missing"], "--data_dir missing is not a directory"),
+    (["1", "1", "--workload", "vision", "--data_dir", "."], "Couldn't find any class folder"),
+    (["1", "1", "--dataset_size", "16"], "the dataset has 16 samples, fewer than one step needs"),
+]
+
+
+def assert_rejected(proc, message, folder):
+    assert proc.returncode == 2, proc.stdout
+    assert "error:" in proc.stdout and message in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout
+    assert not list(folder.iterdir()), "bad input must not leave files behind"
+
+
+@pytest.mark.parametrize(("args", "message"), CASES, ids=[c[1][:30] for c in CASES])
+def test_single_gpu_rejects(tmp_path, args, message):
+    proc = run([PYTHON, EXAMPLES / "single_gpu.py", *args], timeout=120, check=False, cwd=tmp_path)
+    assert_rejected(proc, message, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["1", "1", "--nproc", "0"], "--nproc must be positive"),
+        (["1", "1", "--dataset_size", "40"], "fewer than one step needs: 2 process(es) x batch_size 32"),
+        (["-3", "1"], "total_epochs must be positive"),
+    ],
+)
+def test_multigpu_rejects_before_spawning(tmp_path, args, message):
+    proc = run([PYTHON, EXAMPLES / "multigpu.py", *args], timeout=120, check=False, cwd=tmp_path)
+    assert_rejected(proc, message, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["multigpu_torchrun", "multinode", "multigpu_accelerate"])
+def test_torchrun_examples_reject_a_plain_start_and_bad_numbers(tmp_path, name):
+    proc = run([PYTHON, EXAMPLES / f"{name}.py", "1", "1"], timeout=120, check=False, cwd=tmp_path)
+    assert_rejected(proc, "start me with torchrun", tmp_path)
+    proc = run([PYTHON, EXAMPLES / f"{name}.py", "1", "-1"], timeout=120, check=False, cwd=tmp_path)
+    assert_rejected(proc, "save_every must be positive", tmp_path)
+
+
+def test_torchrun_worker_rejects_a_dataset_too_small_for_the_world(tmp_path):
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", EXAMPLES / "multigpu_torchrun.py", "1", "1"]
+    proc = run([*cmd, "--dataset_size", "40"], timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "fewer than one step needs: 2 process(es) x batch_size 32" in proc.stdout
+    assert not list(tmp_path.iterdir())
