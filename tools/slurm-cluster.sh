@@ -125,6 +125,10 @@ start_munge() {
     return 0
   fi
   install -d -o munge -g munge -m 0755 /run/munge
+  # The Debian package creates the key at installation; an image built without running that step has none.
+  if [ ! -s /etc/munge/munge.key ]; then
+    runuser -u munge -- mungekey --create --keyfile=/etc/munge/munge.key
+  fi
   runuser -u munge -- munged
   pid_from /run/munge/munged.pid munged >"$dir/munged.pid"
   for _ in $(seq 50); do
