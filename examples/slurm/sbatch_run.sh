@@ -15,7 +15,8 @@
 #   SNAPSHOT_PATH   snapshot file on a filesystem every node sees; a restarted or requeued job resumes
 #                   from it (default $SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt)
 #   RDZV_HOST       rendezvous host              (default: first node of the allocation)
-#   RDZV_PORT       rendezvous port on RDZV_HOST (default 29500)
+#   RDZV_PORT       rendezvous port on RDZV_HOST (default 20000 + job id modulo 10000, so that jobs
+#                   sharing a node do not collide)
 #   RDZV_TIMEOUT    seconds to wait for every node to join before the job fails (default 120)
 #   MAX_RESTARTS    times torchrun restarts the training processes after a failure (default 3)
 #   TORCHRUN        command that starts torchrun, split on spaces (default torchrun from PATH),
@@ -54,7 +55,7 @@ fi
 
 nnodes=$SLURM_JOB_NUM_NODES
 rdzv_host=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}
-rdzv_port=${RDZV_PORT:-29500}
+rdzv_port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
 snapshot=${SNAPSHOT_PATH:-$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt}
 mkdir -p "$(dirname "$snapshot")"
 read -ra torchrun <<<"${TORCHRUN:-torchrun}"
