@@ -1,0 +1,30 @@
+"""The commands the README shows work as written."""
+
+import re
+
+from conftest import REPO, VENV, TrainLog, run
+
+MARKER = "<!-- tests/test_readme.py runs every command in the next block"
+
+
+def commands_block():
+    text = (REPO / "README.md").read_text()
+    after = text[text.index(MARKER) :]
+    return re.search(r"```sh\n(.*?)```", after, re.S).group(1)
+
+
+def test_the_example_commands_work_verbatim(tmp_path):
+    # A scratch folder that looks like the repository root, so snapshots land there and not in the checkout.
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".venv").symlink_to(VENV)
+    script = tmp_path / "readme.sh"
+    script.write_text("set -e\n" + commands_block())
+    proc = run(["bash", script], timeout=900, cwd=tmp_path)
+    assert proc.stdout.count("final weights sha256") == 6, proc.stdout[-3000:]
+    assert TrainLog(proc.stdout).num_hosts == 1
+    assert "identical on 4 ranks" in proc.stdout
+    made = {p.name for p in tmp_path.glob("*_snapshot.pt")} - {"vision_snapshot.pt"}
+    assert made == {
+        f"{n}_snapshot.pt"
+        for n in ["single_gpu", "multigpu", "multigpu_torchrun", "multigpu_accelerate", "multinode"]
+    }
