@@ -169,13 +169,16 @@ up() {
   # shellcheck disable=SC2016 # expanded by the inner shell
   unshare --uts sh -c 'hostname "$1" && exec slurmctld -f "$2"' sh "$ctl_name" "$conf"
   # Each slurmd enters its node's network namespace and gets the node's hostname, plus a private mount
-  # namespace in which the node's hosts file (written by netns.sh) is /etc/hosts. `ip netns exec` would do
-  # the same but also remounts /sys, and slurmd then finds no cgroup filesystem.
+  # namespace in which the files netns.sh wrote for the node (hosts, ...) replace those in /etc. This is
+  # what `ip netns exec` does, except that it also remounts /sys, and slurmd then finds no cgroup filesystem.
   for node in "${nodes[@]}"; do
     # shellcheck disable=SC2016 # expanded by the inner shell
-    nsenter --net="/var/run/netns/$net-$node" unshare --uts --mount sh -c \
-      'mount --bind "$3" /etc/hosts && hostname "$1" && exec slurmd -f "$2" -N "$1"' \
-      sh "$node" "$conf" "/etc/netns/$net-$node/hosts"
+    nsenter --net="/var/run/netns/$net-$node" unshare --uts --mount sh -c '
+      for f in "$3"/*; do
+        [ ! -e "/etc/${f##*/}" ] || mount --bind "$f" "/etc/${f##*/}" || exit
+      done
+      hostname "$1" && exec slurmd -f "$2" -N "$1"' \
+      sh "$node" "$conf" "/etc/netns/$net-$node"
   done
   local deadline=$((SECONDS + wait_s))
   until nodes_idle; do
