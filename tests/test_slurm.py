@@ -146,7 +146,7 @@ def test_job_without_rendezvous_fails_in_bound(slurm_env, tmp_path):
     assert state == "FAILED", output[-4000:]
     assert elapsed < 180, f"took {elapsed:.0f}s to fail"
     assert "RendezvousConnectionError" in output, output[-4000:]
-    assert "training failed" in output, output[-4000:]
+    assert "torchrun failed" in output, output[-4000:]
     assert TrainLog(output).num_hosts is None, output[-4000:]
 
 

@@ -87,6 +87,6 @@ srun "${srun_args[@]}" "${torchrun[@]}" \
   "$script" --snapshot_path "$snapshot" "$@" || status=$?
 
 if [ "$status" -ne 0 ]; then
-  echo "job $SLURM_JOB_ID: training failed (exit $status); the errors above say why" >&2
+  echo "job $SLURM_JOB_ID: torchrun failed (exit $status); the errors above say why" >&2
 fi
 exit "$status"
