@@ -251,7 +251,16 @@ def ddp_setup(rank, world_size, timeout):
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    try:
+        init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        sys.exit(
+            f"error: rank {rank} could not join the process group at {where} within {timeout:g} s ({exc})\n"
+            "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
+            "MASTER_PORT, another process failed first (see its error), or a container network that does not "
+            "reach that address. --timeout sets how long to wait."
+        )
 
 
 class Trainer:
@@ -360,4 +369,7 @@ if __name__ == "__main__":
         parser.error(str(exc))
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ["MASTER_PORT"] = str(master_port())
-    mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    try:
+        mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    except mp.ProcessExitedException as exc:  # the process that failed has printed why
+        sys.exit(exc.exit_code or 1)

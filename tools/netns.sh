@@ -4,7 +4,8 @@
 #   tools/netns.sh down NAME HOST...
 # The bridge NAME-br gets SUBNET.1 on this machine; HOST number i (from 0) is namespace NAME-HOST
 # with address SUBNET.(i+2)/24 on interface eth0, so a command run there sees a host much like a container.
-# /etc/netns/NAME-HOST/hosts maps every HOST name, so `ip netns exec` resolves them. Needs root.
+# /etc/netns/NAME-HOST/hosts maps every HOST name (and this machine's own name to loopback), and an empty
+# resolv.conf keeps lookups local, so `ip netns exec` resolves names at once without any DNS. Needs root.
 set -euo pipefail
 
 usage() {
@@ -58,7 +59,8 @@ case "$action" in
       ip -n "$ns" link set eth0 up
       ip -n "$ns" link set lo up
       mkdir -p "/etc/netns/${ns}"
-      printf '127.0.0.1 localhost\n%s' "$hosts" >"/etc/netns/${ns}/hosts"
+      printf '127.0.0.1 localhost %s\n%s' "$(uname -n)" "$hosts" >"/etc/netns/${ns}/hosts"
+      : >"/etc/netns/${ns}/resolv.conf"
       printf '%s\n' "$host" >"/etc/netns/${ns}/hostname"
       i=$((i + 1))
     done
