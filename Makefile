@@ -144,3 +144,34 @@ clean: ## remove snapshots, logs and caches
 
 distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)
+
+# ---- Slurm -------------------------------------------------------------------------------------------------
+# A two-node Slurm cluster on this machine (tools/slurm-cluster.sh: root, with slurm-wlm and munge installed),
+# and the batch job examples/slurm/sbatch_run.sh submitted to it. On a real cluster, use sbatch directly.
+SLURM_CLUSTER := tools/slurm-cluster.sh
+# sbatch options for slurm-submit: the local nodes have 2 CPUs each, so 2 training processes per node.
+SBATCH_ARGS ?= --cpus-per-task=2 --time=00:10:00
+.PHONY: slurm-cluster slurm-submit slurm-status slurm-down
+
+slurm-cluster: ## start a two-node Slurm cluster on this machine (root; needs slurm-wlm and munge)
+	$(SLURM_CLUSTER) up
+
+slurm-submit: $(ENV) ## sbatch the Slurm example to that cluster, print its output as it comes, wait for the end
+	@eval "$$($(SLURM_CLUSTER) env)"; mkdir -p $(RUNS)/$@; \
+	job=$$(TORCHRUN="$(abspath $(PY)) -m torch.distributed.run" SNAPSHOT_PATH="$(abspath $(RUNS))/$@/snapshot.pt" \
+	  sbatch --parsable --output=$(RUNS)/$@/%x-%j.out $(SBATCH_ARGS) \
+	  examples/slurm/sbatch_run.sh $(EPOCHS) $(SAVE_EVERY) $(ARGS)) || exit; \
+	out=$(RUNS)/$@/ddp-multinode-$$job.out; echo "job $$job, output in $$out"; \
+	shown=0; while :; do \
+	  running=$$(squeue -h -j $$job 2>/dev/null); \
+	  if [ -f $$out ]; then size=$$(stat -c %s $$out); tail -c +$$((shown + 1)) $$out | head -c $$((size - shown)); shown=$$size; fi; \
+	  [ -n "$$running" ] || break; sleep 2; \
+	done; \
+	state=$$(scontrol show job $$job | grep -o 'JobState=[A-Z_]*'); echo "job $$job: $$state"; \
+	[ "$$state" = JobState=COMPLETED ]
+
+slurm-status: ## nodes and jobs of that cluster
+	$(SLURM_CLUSTER) status
+
+slurm-down: ## stop that cluster and remove what it set up
+	$(SLURM_CLUSTER) down
