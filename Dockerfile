@@ -40,6 +40,7 @@ RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
 
 WORKDIR /app
 COPY examples/ /app/examples/
+COPY tools/doctor.py /app/tools/doctor.py
 
 USER ${USER_NAME}
 CMD ["python", "examples/multinode.py", "--help"]

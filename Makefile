@@ -108,7 +108,8 @@ torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_torchrun.py $(TRAIN_ARGS)
 
 multinode: $(ENV) ## step 4: two local "nodes", NPROC processes each, c10d rendezvous on localhost
-	@port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
+	@export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; \
+	port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
 	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
 	  examples/multinode.py $(TRAIN_ARGS)"; \
 	echo "on each of two nodes: $$node"; \

@@ -63,11 +63,11 @@ def backends():
 
 
 def network():
-    addresses = subprocess.run(["ip", "-brief", "-4", "addr"], capture_output=True, text=True, timeout=10)
-    if addresses.returncode == 0:
-        interfaces = "; ".join(" ".join(line.split()[::2]) for line in addresses.stdout.splitlines())
-    else:
-        interfaces = ", ".join(name for _, name in socket.if_nameindex())
+    interfaces = ", ".join(name for _, name in socket.if_nameindex())
+    if shutil.which("ip"):  # with iproute2, the IPv4 address of each interface too
+        addresses = subprocess.run(["ip", "-brief", "-4", "addr"], capture_output=True, text=True, timeout=10)
+        if addresses.returncode == 0:
+            interfaces = "; ".join(" ".join(line.split()[::2]) for line in addresses.stdout.splitlines())
     report("INFO", "interfaces", interfaces)
     host = socket.gethostname()
     try:
