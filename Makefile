@@ -7,6 +7,10 @@ ARGS ?=
 # Processes per node: one per GPU, or 2 on a machine without GPUs.
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+# torchrun's rendezvous gives up after these seconds instead of the default 600 when a node never comes.
+RDZV_CONF ?= join_timeout=60,read_timeout=30
+# For `make doctor`: a rendezvous HOST:PORT to try to reach.
+ENDPOINT ?=
 # Where snapshots and logs go, one folder per target.
 RUNS ?= runs
 # The local Python environment (uv into a virtual environment, pinned by requirements.txt).
@@ -27,7 +31,60 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff test lint pins clean distclean
+.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff doctor test lint pins clean distclean
+
+# ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose/) ==========
+# make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
+#                                      make image BASE_IMAGE=local/ddp-base:bookworm
+# make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers
+# make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, torchrun, multinode,
+#                                      accelerate) inside $(IMAGE) instead of $(VENV)
+IMAGE ?= ddp-examples:latest
+BASE_IMAGE ?=
+LOCAL_BASE ?= local/ddp-base:bookworm
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
+COMPOSE_PROJECT ?= ddp
+COMPOSE_CPU := -f compose/compose.yaml
+COMPOSE_GPU := $(COMPOSE_CPU) -f compose/compose.override.yaml
+IN_DOCKER ?=
+# A throwaway container of the image on the host network and process table, so that localhost rendezvous
+# works and two containers started alike (make multinode) are told apart by their process ids; RUNS is kept
+# in the named volume ddp-runs, so snapshots survive from one run to the next.
+RUN_PREFIX := docker run --rm --network host --pid host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
+  -v ddp-runs:/app/runs $(IMAGE)
+ifeq ($(IN_DOCKER),1)
+PY := $(RUN_PREFIX) python
+TORCHRUN := $(RUN_PREFIX) torchrun
+# No local environment: the $(ENV) rule below then has no target and is ignored; the steps need the image.
+ENV :=
+single_gpu multigpu torchrun multinode accelerate: image
+endif
+# $(call two_node,FILES): both nodes to the end; the exit status is node0's. A finished job's containers
+# and volume are removed; a failed job's volume is kept, so the next run resumes from its snapshot.
+two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY); \
+  c="$(COMPOSE) -p $(COMPOSE_PROJECT) $(1)"; \
+  if $$c up --abort-on-container-exit --exit-code-from node0; then $$c down --volumes; \
+  else status=$$?; $$c down; exit $$status; fi
+.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
+
+image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+
+base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
+	docker/build-base.sh $(LOCAL_BASE)
+
+two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
+	$(call two_node,$(COMPOSE_GPU))
+
+two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each
+	$(call two_node,$(COMPOSE_CPU))
+
+two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
+	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
+
+two-node-down: ## remove the two-node containers, network and snapshot volume
+	$(COMPOSE) -p $(COMPOSE_PROJECT) $(COMPOSE_GPU) down --volumes --remove-orphans
+# ==== end Docker and two nodes ===========================================================================
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
@@ -52,8 +109,10 @@ torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_torchrun.py $(TRAIN_ARGS)
 
 multinode: $(ENV) ## step 4: two local "nodes", NPROC processes each, c10d rendezvous on localhost
-	@port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
-	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode examples/multinode.py $(TRAIN_ARGS)"; \
+	@export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; \
+	port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
+	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
+	  examples/multinode.py $(TRAIN_ARGS)"; \
 	echo "on each of two nodes: $$node"; \
 	$$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
 	$$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
@@ -66,7 +125,10 @@ diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
 
-# ---- benchmarks ----
+doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
+	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
+
+# ==== Benchmarks: tools/bench.py (every launcher side by side) and tools/allreduce_bench.py ============
 # make bench BENCH_ARGS=--full        longer runs; any option of tools/bench.py goes in BENCH_ARGS
 # make bench-allreduce ALLREDUCE_ARGS="--max_bytes 16M"
 BENCH_ARGS ?=
@@ -79,7 +141,7 @@ bench: $(ENV) ## every launcher side by side: samples/s, ratios, loss curves (BE
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) tools/allreduce_bench.py \
 	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
-# ---- end benchmarks ----
+# ==== end benchmarks =====================================================================================
 
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
@@ -99,3 +161,34 @@ clean: ## remove snapshots, logs and caches
 
 distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)
+
+# ---- Slurm -------------------------------------------------------------------------------------------------
+# A two-node Slurm cluster on this machine (tools/slurm-cluster.sh: root, with slurm-wlm and munge installed),
+# and the batch job examples/slurm/sbatch_run.sh submitted to it. On a real cluster, use sbatch directly.
+SLURM_CLUSTER := tools/slurm-cluster.sh
+# sbatch options for slurm-submit: the local nodes have 2 CPUs each, so 2 training processes per node.
+SBATCH_ARGS ?= --cpus-per-task=2 --time=00:10:00
+.PHONY: slurm-cluster slurm-submit slurm-status slurm-down
+
+slurm-cluster: ## start a two-node Slurm cluster on this machine (root; needs slurm-wlm and munge)
+	$(SLURM_CLUSTER) up
+
+slurm-submit: $(ENV) ## sbatch the Slurm example to that cluster, print its output as it comes, wait for the end
+	@eval "$$($(SLURM_CLUSTER) env)"; mkdir -p $(RUNS)/$@; \
+	job=$$(TORCHRUN="$(abspath $(PY)) -m torch.distributed.run" SNAPSHOT_PATH="$(abspath $(RUNS))/$@/snapshot.pt" \
+	  sbatch --parsable --output=$(RUNS)/$@/%x-%j.out $(SBATCH_ARGS) \
+	  examples/slurm/sbatch_run.sh $(EPOCHS) $(SAVE_EVERY) $(ARGS)) || exit; \
+	out=$(RUNS)/$@/ddp-multinode-$$job.out; echo "job $$job, output in $$out"; \
+	shown=0; while :; do \
+	  running=$$(squeue -h -j $$job 2>/dev/null); \
+	  if [ -f $$out ]; then size=$$(stat -c %s $$out); tail -c +$$((shown + 1)) $$out | head -c $$((size - shown)); shown=$$size; fi; \
+	  [ -n "$$running" ] || break; sleep 2; \
+	done; \
+	state=$$(scontrol show job $$job | grep -o 'JobState=[A-Z_]*'); echo "job $$job: $$state"; \
+	[ "$$state" = JobState=COMPLETED ]
+
+slurm-status: ## nodes and jobs of that cluster
+	$(SLURM_CLUSTER) status
+
+slurm-down: ## stop that cluster and remove what it set up
+	$(SLURM_CLUSTER) down

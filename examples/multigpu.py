@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import json
 import os
+import pickle
 import socket
 import sys
 import time
@@ -212,8 +213,11 @@ def load_snapshot(path, model, optimizer, device, workload):
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         return int(snapshot["EPOCHS_RUN"])
     except Exception as exc:  # whatever went wrong, the advice is the same
+        reason = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        if isinstance(exc, pickle.UnpicklingError):  # torch's text suggests weights_only=False: never do that
+            reason = "not a plain weights file: corrupt, or holding objects that would run code when loaded"
         sys.exit(
-            f"error: cannot resume from snapshot {path}: {exc}\n"
+            f"error: cannot resume from snapshot {path}: {reason}\n"
             "It is unreadable, truncated or from another model. It was left untouched: move it away to "
             "start from scratch, or pass --snapshot_path with a new file."
         )
@@ -328,7 +332,16 @@ def ddp_setup(rank, world_size, timeout):
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    try:
+        init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        sys.exit(
+            f"error: rank {rank} could not join the process group at {where} within {timeout:g} s ({exc})\n"
+            "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
+            "MASTER_PORT, another process failed first (see its error), or a container network that does not "
+            "reach that address. --timeout sets how long to wait."
+        )
 
 
 class Trainer:
@@ -445,4 +458,7 @@ if __name__ == "__main__":
         parser.error(str(exc))
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ["MASTER_PORT"] = str(master_port())
-    mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    try:
+        mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    except mp.ProcessExitedException as exc:  # the process that failed has printed why
+        sys.exit(exc.exit_code or 1)

@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -203,8 +204,11 @@ def load_snapshot(path, model, optimizer, device, workload):
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         return int(snapshot["EPOCHS_RUN"])
     except Exception as exc:  # whatever went wrong, the advice is the same
+        reason = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        if isinstance(exc, pickle.UnpicklingError):  # torch's text suggests weights_only=False: never do that
+            reason = "not a plain weights file: corrupt, or holding objects that would run code when loaded"
         sys.exit(
-            f"error: cannot resume from snapshot {path}: {exc}\n"
+            f"error: cannot resume from snapshot {path}: {reason}\n"
             "It is unreadable, truncated or from another model. It was left untouched: move it away to "
             "start from scratch, or pass --snapshot_path with a new file."
         )

@@ -1,0 +1,93 @@
+"""Failures heal or explain themselves: a killed worker resumes exactly, waits for peers are bounded."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, TrainLog, example_cmd, load_snapshot, run
+
+# Long enough epochs (about a second each) that a kill lands in the middle of one.
+ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7]
+
+
+def wait_for_epochs(metrics, count, proc, limit=300):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "training ended before the kill"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no {count} epochs logged within {limit}s")
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
+    (tmp_path / "clean").mkdir()
+    run(example_cmd("multigpu_torchrun", *ARGS), timeout=600, cwd=tmp_path / "clean")
+    expected = load_snapshot(tmp_path / "clean" / "multigpu_torchrun_snapshot.pt")
+
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    cmd += [EXAMPLES / "multigpu_torchrun.py", *ARGS, "--metrics_path", "m.jsonl"]
+    agent = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_epochs(tmp_path / "m.jsonl", 2, agent)
+        time.sleep(0.3)  # into the third epoch
+        children = psutil.Process(agent.pid).children()
+        workers = [p for p in children if any(a.endswith("multigpu_torchrun.py") for a in p.cmdline())]
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGKILL)
+        out, _ = agent.communicate(timeout=600)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, out[-4000:]
+    assert "resuming from multigpu_torchrun_snapshot.pt at epoch" in out, out[-4000:]
+    resumed = load_snapshot(tmp_path / "multigpu_torchrun_snapshot.pt")
+    assert resumed["EPOCHS_RUN"] == 6
+    for key, tensor in expected["MODEL_STATE"].items():
+        assert resumed["MODEL_STATE"][key].equal(tensor), key
+    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    # the epoch cut short is run again from its start; it was never logged, so every epoch appears once
+    assert sorted(set(epochs)) == [1, 2, 3, 4, 5, 6] and epochs[-1] == 6, epochs
+    assert TrainLog(out).ranks_in_sync == 2
+
+
+def test_spawn_names_a_port_that_is_already_taken(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [PYTHON, EXAMPLES / "multigpu.py", 1, 1]
+        proc = run(cmd, env={"MASTER_PORT": str(port)}, timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"MASTER_PORT {port} is already in use" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def two_hosts():
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 for network namespaces")
+    subprocess.run(["bash", REPO / "tools/netns.sh", "up", "ft", "10.77.5", "a", "b"], check=True, timeout=60)
+    yield
+    subprocess.run(["bash", REPO / "tools/netns.sh", "down", "ft", "a", "b"], check=True, timeout=60)
+
+
+def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, two_hosts):
+    # On host a, MASTER_ADDR names host b, where nothing listens: rank 0 cannot reach its own store there.
+    cmd = ["ip", "netns", "exec", "ft-a", PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--timeout", 5]
+    proc = run(cmd, env={"MASTER_ADDR": "b"}, timeout=240, check=False, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "could not join the process group at b:" in proc.stdout, proc.stdout[-3000:]
+    assert "within 5 s" in proc.stdout and "Usual causes" in proc.stdout
+    assert "Traceback" not in proc.stdout

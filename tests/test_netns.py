@@ -1,0 +1,84 @@
+"""The two-node Compose job without Docker: two network namespaces joined by a bridge (tools/netns.sh) play
+node0 and node1, each running the command that compose/compose.yaml gives that node. Needs root."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, TORCHRUN, TrainLog, need, run
+
+NETNS = REPO / "tools" / "netns.sh"
+NAME, SUBNET, HOSTS = "ddpn", "10.77.42", ("node0", "node1")
+VARIABLES = {"EPOCHS": "4", "SAVE_EVERY": "2", "JOIN_TIMEOUT": "60"}
+VARIABLE_RE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def interpolate(value, variables):
+    """Compose's ${NAME} and ${NAME:-default}, taking values from variables."""
+    return VARIABLE_RE.sub(lambda m: variables.get(m[1], m[2] or ""), str(value))
+
+
+def node_job(service, snapshots):
+    """argv and environment of one compose service, for this machine: torchrun from this Python, the
+    shared snapshot volume replaced by a local folder. Host names (node0) resolve through netns.sh."""
+    argv = [interpolate(arg, VARIABLES) for arg in [*service["entrypoint"], *service["command"]]]
+    assert argv[0] == "torchrun", argv
+    mount = next(v.split(":")[1] for v in service["volumes"] if v.startswith("snapshots:"))
+    argv = [arg.replace(mount, str(snapshots)) for arg in [*TORCHRUN, *argv[1:]]]
+    env = {k: interpolate(v, VARIABLES) for k, v in service["environment"].items()}
+    return argv, env
+
+
+def in_host(host, argv):
+    """Run argv in namespace NAME-host with its own host name, as a container would be."""
+    set_name = 'echo "$0" >/proc/sys/kernel/hostname && exec "$@"'
+    return ["ip", "netns", "exec", f"{NAME}-{host}", "unshare", "--uts", "sh", "-c", set_name, host, *argv]
+
+
+@pytest.fixture
+def hosts():
+    need(
+        os.geteuid() == 0 and shutil.which("ip") and shutil.which("unshare"),
+        "network namespaces need root, ip and unshare",
+        "REQUIRE_NETNS",
+    )
+    run([NETNS, "up", NAME, SUBNET, *HOSTS], timeout=60)
+    yield
+    run([NETNS, "down", NAME, *HOSTS], timeout=60, check=False)
+
+
+def test_compose_job_across_two_namespaces(hosts, tmp_path):
+    services = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())["services"]
+    jobs = {host: node_job(services[host], tmp_path) for host in HOSTS}
+    node1_log = (tmp_path / "node1.log").open("w+")
+    argv, env = jobs["node1"]
+    node1 = subprocess.Popen(
+        in_host("node1", argv),
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=node1_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        argv, env = jobs["node0"]
+        node0 = run(in_host("node0", argv), cwd=REPO, env=env, timeout=300, check=False)
+        node1_status = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
+    node1_log.seek(0)
+    both = f"--- node0\n{node0.stdout[-4000:]}\n--- node1\n{node1_log.read()[-4000:]}"
+    assert node0.returncode == 0 and node1_status == 0, both
+    log = TrainLog(node0.stdout)
+    log.assert_trained(world_size=4)
+    assert log.num_hosts == 2, both
+    assert log.checksum, both
+    snapshot = next(tmp_path.glob("*.pt"))
+    assert torch.load(snapshot, weights_only=True)["EPOCHS_RUN"] == int(VARIABLES["EPOCHS"])

@@ -1,0 +1,173 @@
+"""Check a machine for distributed training, ending with PASS or FAIL per check.
+
+    make doctor                          # versions, GPUs, backends, network, a local all-reduce
+    make doctor ENDPOINT=node0:29500     # also: can this machine reach that rendezvous endpoint?
+
+Exit status 1 when a check fails.
+"""
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+results = []
+
+
+def report(status, name, detail):
+    results.append(status)
+    print(f"{status:<5} {name:<12} {detail}", flush=True)
+
+
+def versions():
+    import accelerate
+
+    cuda = torch.version.cuda or "none (CPU build)"
+    nccl = "unused without CUDA"
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    report(
+        "INFO",
+        "versions",
+        f"python {platform.python_version()}, torch {torch.__version__}, CUDA {cuda}, NCCL {nccl}, "
+        f"accelerate {accelerate.__version__}",
+    )
+
+
+def gpus():
+    count = torch.cuda.device_count()
+    if not count:
+        report("INFO", "gpus", "none: the examples use the CPU and gloo")
+        return
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
+    report("INFO", "gpus", f"{count}: {names}")
+    if shutil.which("nvidia-smi"):
+        topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+        print(topology.stdout.rstrip())
+
+
+def backends():
+    available = {name: getattr(dist, f"is_{name}_available")() for name in ("gloo", "nccl", "mpi")}
+    listed = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in available.items())
+    needed = "nccl" if torch.cuda.is_available() else "gloo"
+    report("PASS" if available[needed] else "FAIL", "backends", f"{listed}; this machine needs {needed}")
+
+
+def network():
+    interfaces = ", ".join(name for _, name in socket.if_nameindex())
+    if shutil.which("ip"):  # with iproute2, the IPv4 address of each interface too
+        addresses = subprocess.run(["ip", "-brief", "-4", "addr"], capture_output=True, text=True, timeout=10)
+        if addresses.returncode == 0:
+            interfaces = "; ".join(" ".join(line.split()[::2]) for line in addresses.stdout.splitlines())
+    report("INFO", "interfaces", interfaces)
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        report("FAIL", "hostname", f"{host} does not resolve ({exc}): add it to /etc/hosts")
+        return
+    if address.startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        report(
+            "INFO",
+            "hostname",
+            f"{host} resolves to {address}: fine on one machine; across machines set GLOO_SOCKET_IFNAME / "
+            "NCCL_SOCKET_IFNAME to the interface the nodes share",
+        )
+    else:
+        report("PASS", "hostname", f"{host} resolves to {address}")
+
+
+def endpoint(value, seconds):
+    host, _, port = value.rpartition(":")
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, int(port)), timeout=seconds):
+            pass
+    except (OSError, ValueError) as exc:
+        report(
+            "FAIL",
+            "endpoint",
+            f"cannot reach {value} within {seconds:g} s ({exc}). Usual causes: the address is not node 0's, "
+            "a firewall blocks the port, the job on node 0 has not started yet (it opens the port), or a "
+            "container network that does not reach that host",
+        )
+        return
+    report("PASS", "endpoint", f"{value} accepted a connection in {time.monotonic() - start:.3f} s")
+
+
+def all_reduce_worker(rank, world_size, port, numel):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    use_cuda = torch.cuda.device_count() >= world_size
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    tensor = torch.full((numel,), float(rank + 1), device="cuda" if use_cuda else "cpu")
+    dist.all_reduce(tensor)  # warm-up, and the value to check
+    expected = world_size * (world_size + 1) / 2
+    if not bool((tensor == expected).all()):
+        raise SystemExit(f"all-reduce gave {tensor[0].item()}, expected {expected}")
+    start = time.perf_counter()
+    dist.all_reduce(tensor)
+    if use_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        busbw = numel * 4 / seconds * 2 * (world_size - 1) / world_size / 1e9
+        size = f"{numel * 4 / 1e6:.0f} MB"
+        print(f"{backend}, {world_size} processes, {size}: {seconds * 1e3:.1f} ms, busbw {busbw:.2f} GB/s")
+    dist.destroy_process_group()
+
+
+def all_reduce(seconds):
+    gpu_count = torch.cuda.device_count()
+    world_size = min(gpu_count, 2) if gpu_count >= 2 else 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker_args = (world_size, port, 4 * 2**20)
+    context = mp.start_processes(all_reduce_worker, worker_args, world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                report("FAIL", "all-reduce", f"{world_size} processes did not finish within {seconds:g} s")
+                return
+    except mp.ProcessException as exc:
+        report("FAIL", "all-reduce", f"{exc}".strip().splitlines()[-1])
+        return
+    report("PASS", "all-reduce", f"{world_size} local processes agree on the sum")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", help="HOST:PORT of a rendezvous to try to reach")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds for the all-reduce (default 120)")
+    args = parser.parse_args()
+    if args.endpoint and ":" not in args.endpoint:
+        parser.error(f"--endpoint must be HOST:PORT, got {args.endpoint}")
+    versions()
+    gpus()
+    backends()
+    network()
+    if args.endpoint:
+        endpoint(args.endpoint, min(args.timeout, 10))
+    all_reduce(args.timeout)
+    failed, checked = results.count("FAIL"), len(results) - results.count("INFO")
+    print(f"doctor: {failed} of {checked} checks FAILED" if failed else f"doctor: all {checked} checks pass")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
