@@ -173,6 +173,15 @@ def spread(values):
     }
 
 
+def verdict(ratio, target):
+    """met or NOT met only when the whole mean ± std band lies on one side of the target."""
+    if ratio["mean"] - ratio["std"] >= target:
+        return "met"
+    if ratio["mean"] + ratio["std"] < target:
+        return "NOT met"
+    return f"{'above' if ratio['mean'] >= target else 'below'} on average, within the spread: repeat"
+
+
 def train_flops_per_sample(workload, image_size):
     """FLOPs of one forward and backward pass per sample, counted on the model itself."""
     import torch
@@ -272,9 +281,7 @@ def summarize(results, variants, settings):
                 ratios[name]["verdict"] = ""
                 if target is not None:
                     ratios[name]["met"] = ratios[name]["mean"] >= target
-                    ratios[name]["verdict"] = (
-                        f"target >= {target}: {'met' if ratios[name]['met'] else 'NOT met'}"
-                    )
+                    ratios[name]["verdict"] = f"target >= {target}: {verdict(ratios[name], target)}"
         agreement = {}
         for v in variants:
             reference = "plain" if v.recipe == "default" else "plain_accum"
