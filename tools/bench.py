@@ -451,8 +451,9 @@ def get_parser():
 def main(argv=None):
     parser = get_parser()
     args = parser.parse_args(argv)
-    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the running training's processes are ended too
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGTERM (timeout, kill) acts as Ctrl-C: the running training's processes are ended, and the runs
+    # completed so far are reported
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     import torch
 
     settings = {**(FULL if args.full else QUICK)}
@@ -491,30 +492,36 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     total = settings["repeats"] * len(args.workloads) * len(variants)
-    for round_ in range(settings["repeats"]):
-        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]  # rotate
-        for workload in args.workloads:
-            for v in order:
-                folder = args.out / "runs" / workload / v.name / f"round{round_ + 1}"
-                start = time.perf_counter()
-                epochs = run_variant(v, workload, settings, folder, args.run_timeout)
-                rate = throughput(epochs)
-                results.append(
-                    {
-                        "workload": workload,
-                        "variant": v.name,
-                        "round": round_ + 1,
-                        "samples_per_s": rate,
-                        "losses": [e["loss"] for e in epochs],
-                        "epochs": epochs,
-                        "wall_s": time.perf_counter() - start,
-                    }
-                )
-                print(
-                    f"[{len(results)}/{total}] round {round_ + 1} {workload:<6} {v.name:<12} "
-                    f"{rate:9.1f} samples/s  ({results[-1]['wall_s']:.0f} s with start-up)",
-                    flush=True,
-                )
+    try:
+        for round_ in range(settings["repeats"]):
+            order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]  # rotate
+            for workload in args.workloads:
+                for v in order:
+                    folder = args.out / "runs" / workload / v.name / f"round{round_ + 1}"
+                    start = time.perf_counter()
+                    epochs = run_variant(v, workload, settings, folder, args.run_timeout)
+                    rate = throughput(epochs)
+                    results.append(
+                        {
+                            "workload": workload,
+                            "variant": v.name,
+                            "round": round_ + 1,
+                            "samples_per_s": rate,
+                            "losses": [e["loss"] for e in epochs],
+                            "epochs": epochs,
+                            "wall_s": time.perf_counter() - start,
+                        }
+                    )
+                    print(
+                        f"[{len(results)}/{total}] round {round_ + 1} {workload:<6} {v.name:<12} "
+                        f"{rate:9.1f} samples/s  ({results[-1]['wall_s']:.0f} s with start-up)",
+                        flush=True,
+                    )
+    except KeyboardInterrupt:
+        if not results:
+            raise
+        settings["interrupted_after_runs"] = len(results)
+        print(f"interrupted: reporting the {len(results)} runs completed", flush=True)
     settings["load_after"] = [round(x, 2) for x in os.getloadavg()]
     summary = summarize(results, variants, settings)
     print_report(summary, settings, machine)
