@@ -52,7 +52,7 @@ def gpus():
         report(
             "FAIL",
             "gpus",
-            f"nvidia-smi lists {len(listed.splitlines())} GPU(s) but torch {torch.__version__} cannot use CUDA: "
+            f"nvidia-smi lists {len(listed.splitlines())} GPU(s), torch {torch.__version__} cannot use CUDA: "
             "is the driver new enough for its CUDA (13.0 needs driver 580 or newer)?",
         )
         return
