@@ -51,7 +51,7 @@ IN_DOCKER ?=
 # works and two containers started alike (make multinode) are told apart by their process ids; RUNS is kept
 # in the named volume ddp-runs, so snapshots survive from one run to the next.
 RUN_PREFIX := docker run --rm --network host --pid host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
-  -v ddp-runs:/app/runs $(IMAGE)
+  -e CUDA_VISIBLE_DEVICES -e TORCH_DISABLE_SHARE_RDZV_TCP_STORE -v ddp-runs:/app/runs $(IMAGE)
 ifeq ($(IN_DOCKER),1)
 PY := $(RUN_PREFIX) python
 TORCHRUN := $(RUN_PREFIX) torchrun
@@ -108,14 +108,17 @@ multigpu: $(ENV) ## step 2: DDP with mp.spawn, NPROC processes on this machine
 torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_torchrun.py $(TRAIN_ARGS)
 
-multinode: $(ENV) ## step 4: two local "nodes", NPROC processes each, c10d rendezvous on localhost
+multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GPUs split between them)
 	@export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; \
-	port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$(NPROC) --rdzv-backend=c10d \
+	if [ $(GPUS) -ge 2 ]; then per=$$(( $(GPUS) / 2 )); \
+	  first_gpus=$$(seq -s, 0 $$((per - 1))); second_gpus=$$(seq -s, $$per $$((2 * per - 1))); \
+	else per=$(NPROC); first_gpus=""; second_gpus=""; fi; \
+	port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$$per --rdzv-backend=c10d \
 	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
 	  examples/multinode.py $(TRAIN_ARGS)"; \
-	echo "on each of two nodes: $$node"; \
-	$$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
-	$$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
+	echo "on each of two nodes (GPUs '$$first_gpus' and '$$second_gpus'): $$node"; \
+	CUDA_VISIBLE_DEVICES=$$first_gpus $$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
+	CUDA_VISIBLE_DEVICES=$$second_gpus $$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
 	wait $$first && wait $$second
 
 accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun

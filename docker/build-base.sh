@@ -4,11 +4,11 @@
 # TLS-intercepting proxy), and `docker import` it. The project Dockerfile builds on it with
 #   docker build --build-arg BASE_IMAGE=local/ddp-base:bookworm .
 #   docker/build-base.sh [TAG]      TAG defaults to local/ddp-base:bookworm; REBUILD=1 rebuilds an
-#                                   existing image. Environment: DEBIAN_MIRROR, CA_BUNDLE. Needs root.
+#                                   existing image. Environment: DEBIAN_MIRROR (default: debootstrap's
+#                                   own), CA_BUNDLE. Needs root.
 set -euo pipefail
 
 tag=${1:-local/ddp-base:bookworm}
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ca_bundle=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 
 if [ "${REBUILD:-0}" != 1 ] && docker image inspect "$tag" >/dev/null 2>&1; then
@@ -21,19 +21,12 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-if ! command -v debootstrap >/dev/null; then
-  export DEBIAN_FRONTEND=noninteractive
-  for n in 1 2 3; do
-    apt-get update -q && apt-get install -y -q --no-install-recommends debootstrap && break
-    [ "$n" -lt 3 ] || exit 1
-    sleep $((n * 5))
-  done
-fi
+command -v debootstrap >/dev/null || "$(dirname "$0")/../tools/apt-install.sh" debootstrap
 
 rootfs=$(mktemp -d /tmp/ddp-base.XXXXXX)
 trap 'rm -rf "$rootfs"' EXIT
 
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$mirror"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"}
 if [ -f "$ca_bundle" ]; then
   cp "$ca_bundle" "$rootfs/etc/ssl/certs/ca-certificates.crt"
 fi

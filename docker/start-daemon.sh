@@ -24,24 +24,12 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-retry() {
-  local n
-  for n in 1 2 3; do
-    "$@" && return 0
-    echo "attempt $n failed: $*" >&2
-    sleep $((n * 5))
-  done
-  return 1
-}
-
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 have_compose || missing+=(docker-compose)
 command -v iptables >/dev/null || missing+=(iptables)
 if [ ${#missing[@]} -gt 0 ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  retry apt-get update -q
-  retry apt-get install -y -q --no-install-recommends "${missing[@]}"
+  "$(dirname "$0")/../tools/apt-install.sh" "${missing[@]}"
 fi
 
 if ! docker info >/dev/null 2>&1; then

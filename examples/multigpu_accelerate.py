@@ -206,14 +206,15 @@ def load_snapshot(path, model, optimizer, device, workload):
     """Restore model and optimizer in place; return the number of epochs already run."""
     try:
         # weights_only: tensors and plain containers only, a pickle that would run code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        location = "cpu" if torch.device(device).type == "cpu" else device  # accelerate says cpu:0
+        snapshot = torch.load(path, map_location=location, weights_only=True)
         if snapshot.get("WORKLOAD") != workload:
             raise ValueError(f"it was written by the {snapshot.get('WORKLOAD')!r} workload, not {workload!r}")
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         return int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # whatever went wrong, the advice is the same
-        reason = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError, AttributeError) as exc:
+        reason = f"{type(exc).__name__}: " + (str(exc).strip() or "no detail").splitlines()[0]
         if isinstance(exc, pickle.UnpicklingError):  # torch's text suggests weights_only=False: never do that
             reason = "not a plain weights file: corrupt, or holding objects that would run code when loaded"
         sys.exit(

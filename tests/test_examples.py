@@ -72,7 +72,7 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     assert runs[name].log.losses == pytest.approx(runs["single_gpu"].log.losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("name", ["single_gpu", "multigpu_torchrun"])
+@pytest.mark.parametrize("name", ["single_gpu", "multigpu_torchrun", "multigpu_accelerate"])
 def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, name):
     args = ["--batch_size", BATCH * NPROC if name == "single_gpu" else BATCH, *COMMON]
     first = run(example_cmd(name, 2, 2, *args), timeout=300, cwd=tmp_path)

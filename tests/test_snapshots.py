@@ -4,7 +4,6 @@ import importlib.util
 import io
 import os
 import signal
-import subprocess
 
 import pytest
 import torch
@@ -80,32 +79,29 @@ def test_a_failure_in_the_middle_of_a_write_keeps_the_previous_snapshot(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.pt"], "no temporary file is left behind"
 
 
-WRITER = """
-import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("ex", sys.argv[1]); ex = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ex)
-model = torch.nn.Linear(2000, 2000)  # 16 MB per save, so a kill lands mid-write now and then
+KILLED_MID_WRITE = """
+import importlib.util, os, signal, sys, torch
+spec = importlib.util.spec_from_file_location("example", sys.argv[1])
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+model = torch.nn.Linear(20, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for epochs_run in range(1, 1000):
-    ex.save_snapshot(sys.argv[2], model, optimizer, epochs_run, "tiny")
-    print(epochs_run, flush=True)
+example.save_snapshot(sys.argv[2], model, optimizer, 1, "tiny")
+
+def half_then_die(obj, f):
+    f.write(b"PK\\x03\\x04 the first half of a zip file")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+example.torch.save = half_then_die
+example.save_snapshot(sys.argv[2], model, optimizer, 2, "tiny")
 """
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.11])
-def test_killing_the_writer_at_any_moment_leaves_a_loadable_snapshot(tmp_path, delay):
+def test_a_process_killed_in_the_middle_of_a_write_leaves_the_previous_snapshot(tmp_path):
     path = tmp_path / "snap.pt"
-    writer = subprocess.Popen(
-        [PYTHON, "-c", WRITER, EXAMPLES / "single_gpu.py", path], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        for _ in range(3):  # let a few saves complete, then kill it in the middle of the next ones
-            assert writer.stdout.readline(), "the writer died early"
-        if delay:
-            subprocess.run(["sleep", str(delay)], check=True)
-        writer.send_signal(signal.SIGKILL)
-    finally:
-        writer.kill()
-        writer.wait(timeout=60)
-    assert writer.returncode == -signal.SIGKILL
-    assert load_snapshot(path)["EPOCHS_RUN"] >= 3
+    proc = run([PYTHON, "-c", KILLED_MID_WRITE, EXAMPLES / "single_gpu.py", path], timeout=120, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "snap.pt"]
+    assert len(leftovers) == 1 and leftovers[0].startswith("snap.pt.tmp."), "killed while writing"
+    assert load_snapshot(path)["EPOCHS_RUN"] == 1

@@ -45,6 +45,17 @@ def versions():
 
 def gpus():
     count = torch.cuda.device_count()
+    listed = ""
+    if shutil.which("nvidia-smi"):
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    if not count and listed.strip():
+        report(
+            "FAIL",
+            "gpus",
+            f"nvidia-smi lists {len(listed.splitlines())} GPU(s), torch {torch.__version__} cannot use CUDA: "
+            "is the driver new enough for its CUDA (13.0 needs driver 580 or newer)?",
+        )
+        return
     if not count:
         report("INFO", "gpus", "none: the examples use the CPU and gloo")
         return
