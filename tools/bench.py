@@ -143,10 +143,14 @@ def run_variant(variant, workload, settings, folder, timeout):
         except subprocess.TimeoutExpired:
             codes = None
         finally:
-            for p in procs:
+            for p in procs:  # SIGTERM first: torchrun passes it on to its workers, a SIGKILL would not
                 if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(timeout=30)
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait(timeout=30)
     if codes is None or any(codes) or not metrics.exists():
         tail = log.read_text()[-3000:]
         reason = f"timed out after {timeout}s" if codes is None else f"exit codes {codes}"
