@@ -31,6 +31,123 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
+def ddp_setup(rank, world_size, timeout):
+    """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        sys.exit(
+            f"error: rank {rank} could not join the process group at {where} within {timeout:g} s ({exc})\n"
+            "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
+            "MASTER_PORT, another process failed first (see its error), or a container network that does not "
+            "reach that address. --timeout sets how long to wait."
+        )
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        self.model = to_device(model, device, args)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.args = args
+        self.epochs_run = 0
+        if os.path.exists(args.snapshot_path):
+            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
+            if self.rank == 0:
+                print(resume_message(args, self.epochs_run), flush=True)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))
+        register_comm_hook(self.model, args)
+
+    def _run_batch(self, source, targets, scale, step):
+        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
+        with nullcontext() if step else self.model.no_sync():
+            with autocast(self.args, self.device):
+                loss = self.loss_fn(self.model(source), targets)
+            (loss * scale).backward()
+        if step:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
+        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
+        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
+            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
+        return totals
+
+    def _save_snapshot(self, epochs_run):
+        save_snapshot(
+            self.args.snapshot_path, self.model.module, self.optimizer, epochs_run, self.args.workload
+        )
+
+    def train(self):
+        for epoch in range(self.epochs_run, self.args.total_epochs):
+            start = time.perf_counter()
+            totals = self._run_epoch(epoch)
+            dist.all_reduce(totals)  # sums of losses and samples over all processes
+            loss_sum, samples = totals.tolist()
+            if self.rank == 0:
+                seconds = time.perf_counter() - start
+                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    self._save_snapshot(epoch + 1)
+        check_weights_in_sync(self.model.module)
+
+
+def prepare_dataloader(dataset, args):
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        # each process takes every world_size-th sample of the same seeded order
+        sampler=DistributedSampler(dataset, seed=args.seed),
+    )
+
+
+def main(rank, world_size, args):
+    ddp_setup(rank, world_size, args.timeout)
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    train_data = prepare_dataloader(train_set, args)
+    describe_world()
+    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+    destroy_process_group()
+
+
+def master_port():
+    """MASTER_PORT if it is set and free here, else a free port chosen by the OS."""
+    port = int(os.environ.get("MASTER_PORT", 0))
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            sys.exit(
+                f"error: MASTER_PORT {port} is already in use on this machine ({exc.strerror}). "
+                "Another job may hold it: pick another port, or unset MASTER_PORT to get a free one."
+            )
+        return s.getsockname()[1]
+
+
+# Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
+# checks), so that the lesson above reads first. Python looks these names up when main() runs.
+
+
 # ---- shared: arguments ----
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -324,119 +441,6 @@ def register_comm_hook(model, args):
 
 
 # ---- end shared ----
-
-
-def ddp_setup(rank, world_size, timeout):
-    """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    try:
-        init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        sys.exit(
-            f"error: rank {rank} could not join the process group at {where} within {timeout:g} s ({exc})\n"
-            "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
-            "MASTER_PORT, another process failed first (see its error), or a container network that does not "
-            "reach that address. --timeout sets how long to wait."
-        )
-
-
-class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = device
-        self.model = to_device(model, device, args)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
-        self.epochs_run = 0
-        if os.path.exists(args.snapshot_path):
-            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            if self.rank == 0:
-                print(resume_message(args, self.epochs_run), flush=True)
-        device_ids = [device.index] if device.type == "cuda" else None
-        self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))
-        register_comm_hook(self.model, args)
-
-    def _run_batch(self, source, targets, scale, step):
-        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
-        with nullcontext() if step else self.model.no_sync():
-            with autocast(self.args, self.device):
-                loss = self.loss_fn(self.model(source), targets)
-            (loss * scale).backward()
-        if step:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
-        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
-        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
-            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
-            loss = self._run_batch(source, targets, scale, step)
-            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
-        return totals
-
-    def _save_snapshot(self, epochs_run):
-        save_snapshot(
-            self.args.snapshot_path, self.model.module, self.optimizer, epochs_run, self.args.workload
-        )
-
-    def train(self):
-        for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
-            totals = self._run_epoch(epoch)
-            dist.all_reduce(totals)  # sums of losses and samples over all processes
-            loss_sum, samples = totals.tolist()
-            if self.rank == 0:
-                seconds = time.perf_counter() - start
-                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
-                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    self._save_snapshot(epoch + 1)
-        check_weights_in_sync(self.model.module)
-
-
-def prepare_dataloader(dataset, args):
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        pin_memory=torch.cuda.is_available(),
-        num_workers=args.num_workers,
-        # each process takes every world_size-th sample of the same seeded order
-        sampler=DistributedSampler(dataset, seed=args.seed),
-    )
-
-
-def main(rank, world_size, args):
-    ddp_setup(rank, world_size, args.timeout)
-    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
-    train_set, model, optimizer, loss_fn = load_train_objs(args)
-    train_data = prepare_dataloader(train_set, args)
-    describe_world()
-    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    destroy_process_group()
-
-
-def master_port():
-    """MASTER_PORT if it is set and free here, else a free port chosen by the OS."""
-    port = int(os.environ.get("MASTER_PORT", 0))
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            sys.exit(
-                f"error: MASTER_PORT {port} is already in use on this machine ({exc.strerror}). "
-                "Another job may hold it: pick another port, or unset MASTER_PORT to get a free one."
-            )
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,111 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, accelerator, args):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index
+        self.world_size = accelerator.num_processes
+        self.device = device = accelerator.device
+        self.model = to_device(model, device, args)
+        self.loss_fn = loss_fn
+        self.args = args
+        self.epochs_run = 0
+        if os.path.exists(args.snapshot_path):
+            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
+            if self.rank == 0:
+                print(resume_message(args, self.epochs_run), flush=True)
+        # DDP around the model, the optimizer wrapped, each process given every world_size-th batch
+        self.model, self.optimizer, self.train_data = accelerator.prepare(self.model, optimizer, train_data)
+        register_comm_hook(self.model, args)
+
+    def _run_batch(self, source, targets, scale, step):
+        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
+        with nullcontext() if step else self.accelerator.no_sync(self.model):
+            with autocast(self.args, self.device):
+                loss = self.loss_fn(self.model(source), targets)
+            self.accelerator.backward(loss * scale)
+        if step:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.set_epoch(epoch)  # a new, seeded order every epoch
+        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
+        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
+            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
+        return totals
+
+    def _save_snapshot(self, epochs_run):
+        save_snapshot(
+            self.args.snapshot_path,
+            self.accelerator.unwrap_model(self.model),
+            self.optimizer,
+            epochs_run,
+            self.args.workload,
+        )
+
+    def train(self):
+        for epoch in range(self.epochs_run, self.args.total_epochs):
+            start = time.perf_counter()
+            totals = self._run_epoch(epoch)
+            totals = self.accelerator.reduce(totals, reduction="sum")  # over all processes
+            loss_sum, samples = totals.tolist()
+            if self.rank == 0:
+                seconds = time.perf_counter() - start
+                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    self._save_snapshot(epoch + 1)
+        check_weights_in_sync(self.accelerator.unwrap_model(self.model))
+
+
+def prepare_dataloader(dataset, args):
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        # one seeded order for all processes; accelerator.prepare() hands each process its own batches
+        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
+    )
+
+
+def main(args):
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # gloo on the CPU: without it each process would train alone
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout)),
+            DistributedDataParallelKwargs(**ddp_options(args)),  # --bucket_cap_mb and the like
+        ],
+    )
+    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    train_data = prepare_dataloader(train_set, args)
+    describe_world()
+    Trainer(model, train_data, optimizer, loss_fn, accelerator, args).train()
+    accelerator.end_training()
+
+
+def check_launch(parser, args):
+    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 " + sys.argv[0])
+    gpus, local_procs = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
+    if gpus and local_procs > gpus:
+        parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
+    try:
+        check_dataset(parser, load_train_objs(args)[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
+# checks), so that the lesson above reads first. Python looks these names up when main() runs.
+
+
 # ---- shared: arguments ----
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -324,107 +429,6 @@ def register_comm_hook(model, args):
 
 
 # ---- end shared ----
-
-
-class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, accelerator, args):
-        self.accelerator = accelerator
-        self.rank = accelerator.process_index
-        self.world_size = accelerator.num_processes
-        self.device = device = accelerator.device
-        self.model = to_device(model, device, args)
-        self.loss_fn = loss_fn
-        self.args = args
-        self.epochs_run = 0
-        if os.path.exists(args.snapshot_path):
-            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            if self.rank == 0:
-                print(resume_message(args, self.epochs_run), flush=True)
-        # DDP around the model, the optimizer wrapped, each process given every world_size-th batch
-        self.model, self.optimizer, self.train_data = accelerator.prepare(self.model, optimizer, train_data)
-        register_comm_hook(self.model, args)
-
-    def _run_batch(self, source, targets, scale, step):
-        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
-        with nullcontext() if step else self.accelerator.no_sync(self.model):
-            with autocast(self.args, self.device):
-                loss = self.loss_fn(self.model(source), targets)
-            self.accelerator.backward(loss * scale)
-        if step:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        self.train_data.set_epoch(epoch)  # a new, seeded order every epoch
-        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
-        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
-            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
-            loss = self._run_batch(source, targets, scale, step)
-            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
-        return totals
-
-    def _save_snapshot(self, epochs_run):
-        save_snapshot(
-            self.args.snapshot_path,
-            self.accelerator.unwrap_model(self.model),
-            self.optimizer,
-            epochs_run,
-            self.args.workload,
-        )
-
-    def train(self):
-        for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
-            totals = self._run_epoch(epoch)
-            totals = self.accelerator.reduce(totals, reduction="sum")  # over all processes
-            loss_sum, samples = totals.tolist()
-            if self.rank == 0:
-                seconds = time.perf_counter() - start
-                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
-                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    self._save_snapshot(epoch + 1)
-        check_weights_in_sync(self.accelerator.unwrap_model(self.model))
-
-
-def prepare_dataloader(dataset, args):
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        pin_memory=torch.cuda.is_available(),
-        num_workers=args.num_workers,
-        # one seeded order for all processes; accelerator.prepare() hands each process its own batches
-        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
-    )
-
-
-def main(args):
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),  # gloo on the CPU: without it each process would train alone
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout)),
-            DistributedDataParallelKwargs(**ddp_options(args)),  # --bucket_cap_mb and the like
-        ],
-    )
-    train_set, model, optimizer, loss_fn = load_train_objs(args)
-    train_data = prepare_dataloader(train_set, args)
-    describe_world()
-    Trainer(model, train_data, optimizer, loss_fn, accelerator, args).train()
-    accelerator.end_training()
-
-
-def check_launch(parser, args):
-    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
-    if "LOCAL_RANK" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 " + sys.argv[0])
-    gpus, local_procs = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
-    if gpus and local_procs > gpus:
-        parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
-    try:
-        check_dataset(parser, load_train_objs(args)[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
-    except ValueError as exc:
-        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,112 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
+def ddp_setup(timeout):
+    """Join the process group; torchrun put the rank, world size and rendezvous in the environment."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        self.model = to_device(model, device, args)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.args = args
+        self.epochs_run = 0
+        if os.path.exists(args.snapshot_path):
+            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
+            if self.rank == 0:
+                print(resume_message(args, self.epochs_run), flush=True)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))
+        register_comm_hook(self.model, args)
+
+    def _run_batch(self, source, targets, scale, step):
+        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
+        with nullcontext() if step else self.model.no_sync():
+            with autocast(self.args, self.device):
+                loss = self.loss_fn(self.model(source), targets)
+            (loss * scale).backward()
+        if step:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
+        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
+        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
+            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
+        return totals
+
+    def _save_snapshot(self, epochs_run):
+        save_snapshot(
+            self.args.snapshot_path, self.model.module, self.optimizer, epochs_run, self.args.workload
+        )
+
+    def train(self):
+        for epoch in range(self.epochs_run, self.args.total_epochs):
+            start = time.perf_counter()
+            totals = self._run_epoch(epoch)
+            dist.all_reduce(totals)  # sums of losses and samples over all processes
+            loss_sum, samples = totals.tolist()
+            if self.rank == 0:
+                seconds = time.perf_counter() - start
+                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    self._save_snapshot(epoch + 1)
+        check_weights_in_sync(self.model.module)
+
+
+def prepare_dataloader(dataset, args):
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        # each process takes every world_size-th sample of the same seeded order
+        sampler=DistributedSampler(dataset, seed=args.seed),
+    )
+
+
+def main(args):
+    ddp_setup(args.timeout)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    train_data = prepare_dataloader(train_set, args)
+    describe_world()
+    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+    destroy_process_group()
+
+
+def check_launch(parser, args):
+    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 " + sys.argv[0])
+    gpus, local_procs = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
+    if gpus and local_procs > gpus:
+        parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
+    try:
+        check_dataset(parser, load_train_objs(args)[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
+# checks), so that the lesson above reads first. Python looks these names up when main() runs.
+
+
 # ---- shared: arguments ----
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -323,108 +429,6 @@ def register_comm_hook(model, args):
 
 
 # ---- end shared ----
-
-
-def ddp_setup(timeout):
-    """Join the process group; torchrun put the rank, world size and rendezvous in the environment."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    init_process_group(backend, timeout=timedelta(seconds=timeout))
-
-
-class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = device
-        self.model = to_device(model, device, args)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
-        self.epochs_run = 0
-        if os.path.exists(args.snapshot_path):
-            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            if self.rank == 0:
-                print(resume_message(args, self.epochs_run), flush=True)
-        device_ids = [device.index] if device.type == "cuda" else None
-        self.model = DDP(self.model, device_ids=device_ids, **ddp_options(args))
-        register_comm_hook(self.model, args)
-
-    def _run_batch(self, source, targets, scale, step):
-        # no_sync: gradients stay local and add up; the group's last backward all-reduces their sum
-        with nullcontext() if step else self.model.no_sync():
-            with autocast(self.args, self.device):
-                loss = self.loss_fn(self.model(source), targets)
-            (loss * scale).backward()
-        if step:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
-        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
-        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
-            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
-            loss = self._run_batch(source, targets, scale, step)
-            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
-        return totals
-
-    def _save_snapshot(self, epochs_run):
-        save_snapshot(
-            self.args.snapshot_path, self.model.module, self.optimizer, epochs_run, self.args.workload
-        )
-
-    def train(self):
-        for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
-            totals = self._run_epoch(epoch)
-            dist.all_reduce(totals)  # sums of losses and samples over all processes
-            loss_sum, samples = totals.tolist()
-            if self.rank == 0:
-                seconds = time.perf_counter() - start
-                log_epoch(self.args, epoch + 1, loss_sum / samples, samples, seconds, self.world_size)
-                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    self._save_snapshot(epoch + 1)
-        check_weights_in_sync(self.model.module)
-
-
-def prepare_dataloader(dataset, args):
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        pin_memory=torch.cuda.is_available(),
-        num_workers=args.num_workers,
-        # each process takes every world_size-th sample of the same seeded order
-        sampler=DistributedSampler(dataset, seed=args.seed),
-    )
-
-
-def main(args):
-    ddp_setup(args.timeout)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    train_set, model, optimizer, loss_fn = load_train_objs(args)
-    train_data = prepare_dataloader(train_set, args)
-    describe_world()
-    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    destroy_process_group()
-
-
-def check_launch(parser, args):
-    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
-    if "LOCAL_RANK" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 " + sys.argv[0])
-    gpus, local_procs = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
-    if gpus and local_procs > gpus:
-        parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
-    try:
-        check_dataset(parser, load_train_objs(args)[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
-    except ValueError as exc:
-        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,80 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
+        self.device = device
+        self.model = to_device(model, device, args)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.args = args
+        self.epochs_run = 0
+        if os.path.exists(args.snapshot_path):
+            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
+            print(resume_message(args, self.epochs_run), flush=True)
+
+    def _run_batch(self, source, targets, scale, step):
+        with autocast(self.args, self.device):
+            loss = self.loss_fn(self.model(source), targets)
+        (loss * scale).backward()
+        if step:  # the group's last batch: apply the summed gradients
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
+        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
+        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
+        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
+            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
+            loss = self._run_batch(source, targets, scale, step)
+            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
+        return totals
+
+    def _save_snapshot(self, epochs_run):
+        save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epochs_run, self.args.workload)
+
+    def train(self):
+        for epoch in range(self.epochs_run, self.args.total_epochs):
+            start = time.perf_counter()
+            loss_sum, samples = self._run_epoch(epoch).tolist()
+            log_epoch(self.args, epoch + 1, loss_sum / samples, samples, time.perf_counter() - start, 1)
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                self._save_snapshot(epoch + 1)
+        print(f"final weights sha256 {weights_sha256(self.model)}", flush=True)
+
+
+def prepare_dataloader(dataset, args):
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        # one replica: a seeded shuffle, reshuffled by set_epoch; the DDP steps split the same order
+        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
+    )
+
+
+def main():
+    parser = get_parser()
+    args = parser.parse_args()
+    check_args(parser, args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        train_set, model, optimizer, loss_fn = load_train_objs(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    check_dataset(parser, train_set, 1, args.batch_size)
+    train_data = prepare_dataloader(train_set, args)
+    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+
+
+# Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
+# checks), so that the lesson above reads first. Python looks these names up when main() runs.
+
+
 # ---- shared: arguments ----
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -253,76 +327,6 @@ def log_epoch(args, epoch, loss, samples, seconds, world_size):
 
 
 # ---- end shared ----
-
-
-class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, device, args):
-        self.device = device
-        self.model = to_device(model, device, args)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
-        self.epochs_run = 0
-        if os.path.exists(args.snapshot_path):
-            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            print(resume_message(args, self.epochs_run), flush=True)
-
-    def _run_batch(self, source, targets, scale, step):
-        with autocast(self.args, self.device):
-            loss = self.loss_fn(self.model(source), targets)
-        (loss * scale).backward()
-        if step:  # the group's last batch: apply the summed gradients
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
-        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
-        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
-            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
-            loss = self._run_batch(source, targets, scale, step)
-            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
-        return totals
-
-    def _save_snapshot(self, epochs_run):
-        save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epochs_run, self.args.workload)
-
-    def train(self):
-        for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
-            loss_sum, samples = self._run_epoch(epoch).tolist()
-            log_epoch(self.args, epoch + 1, loss_sum / samples, samples, time.perf_counter() - start, 1)
-            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                self._save_snapshot(epoch + 1)
-        print(f"final weights sha256 {weights_sha256(self.model)}", flush=True)
-
-
-def prepare_dataloader(dataset, args):
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        pin_memory=torch.cuda.is_available(),
-        num_workers=args.num_workers,
-        # one replica: a seeded shuffle, reshuffled by set_epoch; the DDP steps split the same order
-        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
-    )
-
-
-def main():
-    parser = get_parser()
-    args = parser.parse_args()
-    check_args(parser, args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        train_set, model, optimizer, loss_fn = load_train_objs(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    check_dataset(parser, train_set, 1, args.batch_size)
-    train_data = prepare_dataloader(train_set, args)
-    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
 
 
 if __name__ == "__main__":
