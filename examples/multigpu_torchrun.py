@@ -1,7 +1,9 @@
 """Step 3: the same training, launched by torchrun, which starts the processes and restarts failed ones.
 
     torchrun --standalone --nproc-per-node=2 multigpu_torchrun.py 10 5
-    torchrun --standalone --nproc-per-node=2 --max-restarts=3 multigpu_torchrun.py 10 5   # survive crashes
+    # survive crashes; with torch 2.13, restarted processes reconnect only with the variable set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \
+        multigpu_torchrun.py 10 5
 
 Changes from multigpu.py: torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous in its
 environment, so there is no spawn, no port to pick and no rank argument. When a process dies, torchrun
