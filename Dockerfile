@@ -40,7 +40,7 @@ RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
 
 WORKDIR /app
 COPY examples/ /app/examples/
-COPY tools/doctor.py /app/tools/doctor.py
+COPY tools/doctor.py tools/launch.py /app/tools/
 
 USER ${USER_NAME}
 CMD ["python", "examples/multinode.py", "--help"]

@@ -19,6 +19,8 @@ PYTHON3 ?= python3
 
 PY := $(VENV)/bin/python
 TORCHRUN := $(PY) -m torch.distributed.run
+# torchrun, plus a message naming the endpoint and the usual causes when the nodes cannot meet
+LAUNCH = $(PY) tools/launch.py
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
 # A free port for the local two-node rendezvous, so two runs never collide.
@@ -113,7 +115,7 @@ multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GP
 	if [ $(GPUS) -ge 2 ]; then per=$$(( $(GPUS) / 2 )); \
 	  first_gpus=$$(seq -s, 0 $$((per - 1))); second_gpus=$$(seq -s, $$per $$((2 * per - 1))); \
 	else per=$(NPROC); first_gpus=""; second_gpus=""; fi; \
-	port=$(FREE_PORT); node="$(TORCHRUN) --nnodes=2 --nproc-per-node=$$per --rdzv-backend=c10d \
+	port=$(FREE_PORT); node="$(LAUNCH) --nnodes=2 --nproc-per-node=$$per --rdzv-backend=c10d \
 	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
 	  examples/multinode.py $(TRAIN_ARGS)"; \
 	echo "on each of two nodes (GPUs '$$first_gpus' and '$$second_gpus'): $$node"; \

@@ -93,3 +93,50 @@ def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, tw
     assert "could not join the process group at b:" in proc.stdout, proc.stdout[-3000:]
     assert "within 5 s" in proc.stdout and "Usual causes" in proc.stdout
     assert "Traceback" not in proc.stdout
+
+
+def launch(endpoint, tmp_path, conf="join_timeout=5,read_timeout=5"):
+    """tools/launch.py (torchrun plus an explanation) as one of two nodes, the other never started."""
+    cmd = [PYTHON, REPO / "tools" / "launch.py", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
+    cmd += [f"--rdzv-endpoint={endpoint}", f"--rdzv-conf={conf}", EXAMPLES / "multinode.py", 1, 1]
+    start = time.monotonic()
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path)
+    return proc, time.monotonic() - start
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        # this machine: torchrun hosts the store and waits for the second node, which never comes
+        ("localhost", "not all 2 node(s) joined the rendezvous at {} within join_timeout (5 s)"),
+        # a documentation address (TEST-NET-1) where nothing answers: the store is never reached
+        ("192.0.2.1", "could not reach the rendezvous store at {} within read_timeout (5 s)"),
+    ],
+)
+def test_torchrun_names_the_endpoint_it_could_not_meet_at(tmp_path, where, message):
+    endpoint = f"{where}:{free_port()}"
+    proc, seconds = launch(endpoint, tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert message.format(endpoint) in proc.stdout, proc.stdout[-3000:]
+    assert "Usual causes" in proc.stdout and f"--endpoint {endpoint}" in proc.stdout
+    assert seconds < 120, f"took {seconds:.0f} s with 5 s timeouts"
+    assert not list(tmp_path.iterdir())
+
+
+def test_torchrun_names_a_port_held_by_another_program(tmp_path):
+    # torchrun alone would connect to this listener and wait for an answer past every timeout
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        proc, _ = launch(endpoint, tmp_path, conf="join_timeout=600,read_timeout=600")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    port = endpoint.split(":")[1]
+    assert f"port {port} on 127.0.0.1 is already in use by a program that is not" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())

@@ -17,7 +17,8 @@
 #   RDZV_HOST       rendezvous host              (default: first node of the allocation)
 #   RDZV_PORT       rendezvous port on RDZV_HOST (default 20000 + job id modulo 10000, so that jobs
 #                   sharing a node do not collide)
-#   RDZV_TIMEOUT    seconds to wait for every node to join before the job fails (default 120)
+#   RDZV_TIMEOUT    seconds to wait for every node to join before the job fails (default 60); a node
+#                   that cannot reach RDZV_HOST:RDZV_PORT at all gives up after about 45 s
 #   MAX_RESTARTS    times torchrun restarts the training processes after a failure (default 3)
 #   TORCHRUN        command that starts torchrun, split on spaces (default torchrun from PATH),
 #                   e.g. "/opt/venv/bin/torchrun" or "python3 -m torch.distributed.run"
@@ -82,11 +83,15 @@ srun "${srun_args[@]}" "${torchrun[@]}" \
   --rdzv-backend=c10d \
   --rdzv-endpoint="$rdzv_host:$rdzv_port" \
   --rdzv-id="$SLURM_JOB_ID" \
-  --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-120}" \
+  --rdzv-conf="join_timeout=${RDZV_TIMEOUT:-60},read_timeout=30" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   "$script" --snapshot_path "$snapshot" "$@" || status=$?
 
 if [ "$status" -ne 0 ]; then
-  echo "job $SLURM_JOB_ID: torchrun failed (exit $status); the errors above say why" >&2
+  echo "job $SLURM_JOB_ID: torchrun failed (exit $status); the errors above say why." \
+    "RendezvousTimeoutError or RendezvousConnectionError there mean the nodes did not meet at" \
+    "$rdzv_host:$rdzv_port. Usual causes: a node did not start or failed first (see its errors), the port" \
+    "is blocked or taken on $rdzv_host, or $rdzv_host is not reachable from every node. Check from a node:" \
+    "python tools/doctor.py --endpoint $rdzv_host:$rdzv_port" >&2
 fi
 exit "$status"

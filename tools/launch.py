@@ -1,0 +1,92 @@
+"""torchrun, plus an explanation when the nodes cannot meet.
+
+    python tools/launch.py --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node0:29500 ... train.py ARGS
+
+Takes torchrun's arguments and runs torchrun (torch.distributed.run) unchanged. When its rendezvous fails,
+torchrun ends with a long traceback; this adds what failed, at which host:port, after how long, and the
+usual causes, then exits with status 1. `make multinode` and the compose files launch through it.
+"""
+
+import socket
+import sys
+import threading
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.run import main as torchrun
+from torch.distributed.run import parse_args
+
+# torchrun's defaults, for the message when --rdzv-conf does not set them
+JOIN_TIMEOUT, READ_TIMEOUT = 600, 60
+
+
+def rdzv_conf(text):
+    """--rdzv-conf's key=value,key=value pairs as a dict."""
+    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+
+
+def check_port(endpoint, seconds=10):
+    """Ends the run when a program that is not a rendezvous store holds the endpoint's port: torchrun would
+    connect to it and wait for an answer that never comes, past every timeout."""
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except OSError:
+        return  # nobody listens yet: this torchrun hosts the store, or waits for it within read_timeout
+    answered = threading.Event()
+
+    def probe():
+        try:
+            TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
+        except Exception:  # refused or reset: torchrun reports it with its own bounds
+            pass
+        answered.set()
+
+    threading.Thread(target=probe, daemon=True).start()
+    if not answered.wait(seconds):
+        sys.exit(
+            f"error: port {port} on {host} is already in use by a program that is not a torch rendezvous "
+            f"store (no answer within {seconds} s). Stop that program or choose another port in "
+            "--rdzv-endpoint."
+        )
+
+
+def explain(args, exc):
+    conf = rdzv_conf(args.rdzv_conf)
+    where = args.rdzv_endpoint
+    check = f"Check the endpoint from every node: python tools/doctor.py --endpoint {where}"
+    if isinstance(exc, RendezvousConnectionError):
+        return (
+            f"error: could not reach the rendezvous store at {where} within read_timeout "
+            f"({conf.get('read_timeout', READ_TIMEOUT)} s).\n"
+            "Usual causes: the host is not the first node (whose torchrun hosts the store), that node is "
+            "not started yet or failed (see its log), a firewall blocks the port, the port is taken by "
+            "another program there, or a container network that does not reach that address.\n" + check
+        )
+    if isinstance(exc, RendezvousTimeoutError):
+        return (
+            f"error: not all {args.nnodes} node(s) joined the rendezvous at {where} within join_timeout "
+            f"({conf.get('join_timeout', JOIN_TIMEOUT)} s).\n"
+            "Usual causes: a node was not started, was started with another --rdzv-endpoint or --rdzv-id, "
+            "or failed before joining (see its log); after a failure, a node that did not come back in "
+            "time.\n" + check
+        )
+    if isinstance(exc, RendezvousClosedError):
+        return f"error: the rendezvous at {where} was closed: another node ended the job (see its log)."
+    return f"error: the rendezvous at {where} failed ({type(exc).__name__}: {exc})\n" + check
+
+
+if __name__ == "__main__":
+    args = parse_args(sys.argv[1:])
+    if args.rdzv_backend == "c10d" and not args.standalone:
+        check_port(args.rdzv_endpoint)
+    try:
+        torchrun(sys.argv[1:])
+    except RendezvousError as exc:
+        sys.exit(explain(args, exc))
