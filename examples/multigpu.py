@@ -31,19 +31,28 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-def ddp_setup(rank, world_size, timeout):
+def ddp_setup(rank, world_size, timeout, collective_timeout):
     """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
-        init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        # joining waits at most `timeout`; a collective may then wait longer for a slow rank (a big save)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
+        init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
     except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         sys.exit(
-            f"error: rank {rank} could not join the process group at {where} within {timeout:g} s ({exc})\n"
+            f"error: rank {rank} could not join the process group at {host}:{port} within {timeout:g} s "
+            f"({exc})\n"
             "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
             "MASTER_PORT, another process failed first (see its error), or a container network that does not "
             "reach that address. --timeout sets how long to wait."
@@ -121,7 +130,7 @@ def prepare_dataloader(dataset, args):
 
 
 def main(rank, world_size, args):
-    ddp_setup(rank, world_size, args.timeout)
+    ddp_setup(rank, world_size, args.timeout, args.collective_timeout)
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     train_data = prepare_dataloader(train_set, args)
@@ -176,7 +185,18 @@ def get_parser():
         "--image_size", type=int, default=32, help="vision: image side in pixels (default 32)"
     )
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="mp.spawn: seconds to wait for the others to join (default 60)",
+    )
+    parser.add_argument(
+        "--collective_timeout",
+        type=float,
+        default=600,
+        help="seconds a collective waits for the slowest process before the run fails (default 600)",
+    )
     parser.add_argument(
         "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
     )
@@ -195,6 +215,7 @@ def check_args(parser, args):
         "image_size",
         "lr",
         "timeout",
+        "collective_timeout",
         "grad_accum",
     ):
         if getattr(args, name) <= 0:

@@ -32,12 +32,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-def ddp_setup(timeout):
+def ddp_setup(collective_timeout):
     """Join the process group; torchrun put the rank, world size and rendezvous in the environment."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    init_process_group(backend, timeout=timedelta(seconds=timeout))
+    init_process_group(backend, timeout=timedelta(seconds=collective_timeout))
 
 
 class Trainer:
@@ -118,7 +118,7 @@ def prepare_dataloader(dataset, args):
 
 
 def main(args):
-    ddp_setup(args.timeout)
+    ddp_setup(args.collective_timeout)
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its own node: picks the GPU
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
@@ -172,7 +172,18 @@ def get_parser():
         "--image_size", type=int, default=32, help="vision: image side in pixels (default 32)"
     )
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="mp.spawn: seconds to wait for the others to join (default 60)",
+    )
+    parser.add_argument(
+        "--collective_timeout",
+        type=float,
+        default=600,
+        help="seconds a collective waits for the slowest process before the run fails (default 600)",
+    )
     parser.add_argument(
         "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
     )
@@ -191,6 +202,7 @@ def check_args(parser, args):
         "image_size",
         "lr",
         "timeout",
+        "collective_timeout",
         "grad_accum",
     ):
         if getattr(args, name) <= 0:

@@ -120,7 +120,18 @@ def get_parser():
         "--image_size", type=int, default=32, help="vision: image side in pixels (default 32)"
     )
     parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for other processes")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="mp.spawn: seconds to wait for the others to join (default 60)",
+    )
+    parser.add_argument(
+        "--collective_timeout",
+        type=float,
+        default=600,
+        help="seconds a collective waits for the slowest process before the run fails (default 600)",
+    )
     parser.add_argument(
         "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
     )
@@ -139,6 +150,7 @@ def check_args(parser, args):
         "image_size",
         "lr",
         "timeout",
+        "collective_timeout",
         "grad_accum",
     ):
         if getattr(args, name) <= 0:

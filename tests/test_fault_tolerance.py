@@ -140,3 +140,36 @@ def test_torchrun_names_a_port_held_by_another_program(tmp_path):
     port = endpoint.split(":")[1]
     assert f"port {port} on 127.0.0.1 is already in use by a program that is not" in proc.stdout, proc.stdout
     assert not list(tmp_path.iterdir())
+
+
+SLOW_SAVE = """
+import os, time
+import torch
+_save = torch.save
+def save(*args, **kwargs):
+    time.sleep(float(os.environ["SLOW_SAVE"]))
+    return _save(*args, **kwargs)
+torch.save = save
+"""
+
+
+def run_with_slow_save(tmp_path, name, seconds, *args):
+    """One epoch of an example whose snapshot write takes `seconds` longer: meanwhile the other rank waits in
+    the final collective. sitecustomize slows torch.save in every process, the spawned ones included."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_SAVE)
+    env = {"PYTHONPATH": str(tmp_path), "SLOW_SAVE": str(seconds)}
+    return run(example_cmd(name, 1, 1, *args), timeout=300, check=False, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("name", ["multigpu", "multigpu_torchrun"])
+def test_a_slow_rank_outlasting_the_join_timeout_does_not_fail_the_run(tmp_path, name):
+    # --timeout bounds joining only: rank 0 saving for longer than that must not abort the others' wait
+    proc = run_with_slow_save(tmp_path, name, 25, "--timeout", 20)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert TrainLog(proc.stdout).ranks_in_sync == 2
+
+
+def test_collective_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
+    proc = run_with_slow_save(tmp_path, "multigpu_torchrun", 60, "--collective_timeout", 5)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "Timed out" in proc.stdout or "timed out" in proc.stdout, proc.stdout[-3000:]
