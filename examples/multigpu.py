@@ -39,23 +39,16 @@ def ddp_setup(rank, world_size, timeout, collective_timeout):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores, don't fight
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    try:
-        # joining waits at most `timeout`; a collective may then wait longer for a slow rank (a big save)
+    pg_timeout = timedelta(seconds=collective_timeout)  # collectives may wait longer for a slow rank
+    try:  # joining waits at most `timeout`
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
-        init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout),
-        )
+        init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
     except RuntimeError as exc:  # torch.distributed.DistError: nobody answered within the timeout
         sys.exit(
             f"error: rank {rank} could not join the process group at {host}:{port} within {timeout:g} s "
-            f"({exc})\n"
-            "Usual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall blocks "
-            "MASTER_PORT, another process failed first (see its error), or a container network that does not "
-            "reach that address. --timeout sets how long to wait."
+            f"({exc})\nUsual causes: MASTER_ADDR is not the address of the machine running rank 0, a firewall"
+            " blocks MASTER_PORT, another process failed first (see its error), or a container network that "
+            "does not reach that address. --timeout sets how long to wait."
         )
 
 

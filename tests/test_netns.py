@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 import yaml
-from conftest import REPO, TORCHRUN, TrainLog, need, run
+from conftest import PYTHON, REPO, TrainLog, need, run
 
 NETNS = REPO / "tools" / "netns.sh"
 NAME, SUBNET, HOSTS = "ddpn", "10.77.42", ("node0", "node1")
@@ -24,12 +24,12 @@ def interpolate(value, variables):
 
 
 def node_job(service, snapshots):
-    """argv and environment of one compose service, for this machine: torchrun from this Python, the
-    shared snapshot volume replaced by a local folder. Host names (node0) resolve through netns.sh."""
+    """argv and environment of one compose service, for this machine: this Python, the shared snapshot
+    volume replaced by a local folder. Host names (node0) resolve through netns.sh."""
     argv = [interpolate(arg, VARIABLES) for arg in [*service["entrypoint"], *service["command"]]]
-    assert argv[0] == "torchrun", argv
+    assert argv[:2] == ["python", "tools/launch.py"], argv
     mount = next(v.split(":")[1] for v in service["volumes"] if v.startswith("snapshots:"))
-    argv = [arg.replace(mount, str(snapshots)) for arg in [*TORCHRUN, *argv[1:]]]
+    argv = [arg.replace(mount, str(snapshots)) for arg in [PYTHON, *argv[1:]]]
     env = {k: interpolate(v, VARIABLES) for k, v in service["environment"].items()}
     return argv, env
 

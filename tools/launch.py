@@ -59,11 +59,11 @@ def check_port(endpoint, seconds=10):
 
 def explain(args, exc):
     conf = rdzv_conf(args.rdzv_conf)
-    where = args.rdzv_endpoint
+    where, name = args.rdzv_endpoint, type(exc).__name__
     check = f"Check the endpoint from every node: python tools/doctor.py --endpoint {where}"
     if isinstance(exc, RendezvousConnectionError):
         return (
-            f"error ({type(exc).__name__}): could not reach the rendezvous store at {where} within read_timeout "
+            f"error ({name}): could not reach the rendezvous store at {where} within read_timeout "
             f"({conf.get('read_timeout', READ_TIMEOUT)} s).\n"
             "Usual causes: the host is not the first node (whose torchrun hosts the store), that node is "
             "not started yet or failed (see its log), a firewall blocks the port, the port is taken by "
@@ -71,15 +71,17 @@ def explain(args, exc):
         )
     if isinstance(exc, RendezvousTimeoutError):
         return (
-            f"error ({type(exc).__name__}): not all {args.nnodes} node(s) joined the rendezvous at {where} within join_timeout "
-            f"({conf.get('join_timeout', JOIN_TIMEOUT)} s).\n"
+            f"error ({name}): not all {args.nnodes} node(s) joined the rendezvous at {where} within "
+            f"join_timeout ({conf.get('join_timeout', JOIN_TIMEOUT)} s).\n"
             "Usual causes: a node was not started, was started with another --rdzv-endpoint or --rdzv-id, "
             "or failed before joining (see its log); after a failure, a node that did not come back in "
             "time.\n" + check
         )
     if isinstance(exc, RendezvousClosedError):
-        return f"error ({type(exc).__name__}): the rendezvous at {where} was closed: another node ended the job (see its log)."
-    return f"error: the rendezvous at {where} failed ({type(exc).__name__}: {exc})\n" + check
+        return (
+            f"error ({name}): the rendezvous at {where} was closed: another node ended the job (see its log)."
+        )
+    return f"error ({name}): the rendezvous at {where} failed: {exc}\n" + check
 
 
 if __name__ == "__main__":
