@@ -3,8 +3,8 @@
     python tools/launch.py --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node0:29500 ... train.py ARGS
 
 Takes torchrun's arguments and runs torchrun (torch.distributed.run) unchanged. When its rendezvous fails,
-torchrun ends with a long traceback; this adds what failed, at which host:port, after how long, and the
-usual causes, then exits with status 1. `make multinode` and the compose files launch through it.
+it ends with status 1 and, in place of torchrun's traceback, what failed, at which host:port, after how
+long, and the usual causes. `make multinode` and the compose files launch through it.
 """
 
 import socket
@@ -36,9 +36,9 @@ def check_port(endpoint, seconds=10):
     connect to it and wait for an answer that never comes, past every timeout."""
     host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
     try:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
+        socket.create_connection((host, int(port)), timeout=2).close()
     except OSError:
-        return  # nobody listens yet: this torchrun hosts the store, or waits for it within read_timeout
+        return  # nobody answers yet: this torchrun hosts the store, or waits for it within read_timeout
     answered = threading.Event()
 
     def probe():
