@@ -122,7 +122,7 @@ def main(args):
 
 
 def check_launch(parser, args):
-    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
+    """Catch a plain `python` start and bad input in every process, before any of them joins the group."""
     if "LOCAL_RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 " + sys.argv[0])
     gpus, local_procs = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -129,7 +129,7 @@ def main(args):
 
 
 def check_launch(parser, args):
-    """Catch a plain `python` start and bad input before the (possibly long) rendezvous."""
+    """Catch a plain `python` start and bad input in every process, before any of them joins the group."""
     if "LOCAL_RANK" not in os.environ:
         parser.error(
             "start me with torchrun on every node, e.g. torchrun --nnodes=2 --nproc-per-node=2 "
