@@ -1,8 +1,9 @@
 """Step 4: the same training across several machines, each started with torchrun.
 
-    # on every node (N nodes, P processes each), with the same rendezvous endpoint HOST:PORT on node 0:
+    # on every node (N nodes, P processes each), with the same rendezvous endpoint HOST:PORT on node 0;
+    # join_timeout: give up after 60 s, not torchrun's 600, when a node does not come
     torchrun --nnodes=N --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=job1 \
-        multinode.py 10 5 --snapshot_path /shared/snapshot.pt
+        --rdzv-conf=join_timeout=60,read_timeout=30 multinode.py 10 5 --snapshot_path /shared/snapshot.pt
 
 Changes from multigpu_torchrun.py: a rank now has two numbers. LOCAL_RANK (0..P-1 on each node) picks the
 GPU; the global RANK (0..N*P-1) decides who logs and saves, so exactly one process in the whole job does.

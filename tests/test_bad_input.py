@@ -1,7 +1,7 @@
 """Bad input: an argparse-style message, exit status 2, and nothing written."""
 
 import pytest
-from conftest import EXAMPLES, PYTHON, TORCHRUN, run
+from conftest import EXAMPLES, PYTHON, TORCHRUN, example_cmd, run
 
 CASES = [
     (["0", "1"], "total_epochs must be positive"),
@@ -60,3 +60,27 @@ def test_torchrun_worker_rejects_a_dataset_too_small_for_the_world(tmp_path):
     assert proc.returncode != 0
     assert "fewer than one step needs: 2 process(es) x batch_size 32" in proc.stdout
     assert not list(tmp_path.iterdir())
+
+
+# This machine has no GPU: sitecustomize makes torch report one in every process, torchrun's included.
+ONE_GPU = "import torch\ntorch.cuda.device_count = lambda: 1\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("multigpu", "--nproc must be between 1 and the number of GPUs (1), got 2"),
+        ("multigpu_torchrun", "2 processes per node but only 1 GPUs: lower --nproc-per-node"),
+    ],
+)
+def test_more_processes_than_gpus_are_refused(tmp_path, name, message):
+    site, work = tmp_path / "site", tmp_path / "work"
+    site.mkdir()
+    work.mkdir()
+    (site / "sitecustomize.py").write_text(ONE_GPU)
+    env = {"PYTHONPATH": str(site)}
+    proc = run(example_cmd(name, "1", "1", nproc=2), env=env, timeout=120, check=False, cwd=work)
+    assert proc.returncode != 0 and message in proc.stdout, proc.stdout[-3000:]
+    if name == "multigpu":  # under torchrun the exit status is the agent's, 1
+        assert_rejected(proc, message, work)
+    assert not list(work.iterdir())

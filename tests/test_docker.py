@@ -205,6 +205,24 @@ def project(compose, image, request):
         proj.down()
 
 
+def test_build_context_is_an_allowlist():
+    """Nothing from the working tree (keys, .env files, snapshots) reaches the image unless named."""
+    lines = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()]
+    rules = [line for line in lines if line and not line.startswith("#")]
+    assert rules[0] == "*", rules
+    assert all(rule.startswith("!") or rule.startswith("**/") for rule in rules[1:]), rules
+
+
+def test_image_runs_as_a_non_root_user_without_secrets(image):
+    user = run(["docker", "image", "inspect", "-f", "{{.Config.User}}", image], timeout=60).stdout.strip()
+    assert user not in ("", "root", "0"), user
+    uid = run(["docker", "run", "--rm", "--entrypoint", "id", image, "-u"], timeout=120).stdout.split()[-1]
+    assert uid != "0"
+    env = run(["docker", "image", "inspect", "-f", "{{json .Config.Env}}", image], timeout=60).stdout
+    names = [item.split("=", 1)[0] for item in json.loads(env)]
+    assert not [n for n in names if re.search(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", n)], names
+
+
 # Real runs: the first one also waits for the image build (minutes on a cold machine).
 SLOW = pytest.mark.timeout(1800)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -10,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, TrainLog, example_cmd, load_snapshot, run
+from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, TrainLog, example_cmd, load_snapshot, need, run
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
 ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7]
@@ -78,8 +79,7 @@ def test_spawn_names_a_port_that_is_already_taken(tmp_path):
 
 @pytest.fixture
 def two_hosts():
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 for network namespaces")
+    need(shutil.which("ip") and os.geteuid() == 0, "network namespaces need root and ip", "REQUIRE_NETNS")
     subprocess.run(["bash", REPO / "tools/netns.sh", "up", "ft", "10.77.5", "a", "b"], check=True, timeout=60)
     yield
     subprocess.run(["bash", REPO / "tools/netns.sh", "down", "ft", "a", "b"], check=True, timeout=60)
@@ -173,3 +173,14 @@ def test_collective_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
     proc = run_with_slow_save(tmp_path, "multigpu_torchrun", 60, "--collective_timeout", 5)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "Timed out" in proc.stdout or "timed out" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("path", ["compose/compose.yaml", "Makefile", "examples/slurm/sbatch_run.sh"])
+def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
+    """A node that never comes: join_timeout; an endpoint that never answers: read_timeout (torchrun retries
+    once within it, about 1.5 times in all). torchrun's own defaults are 600 s and 60 s."""
+    text = (REPO / path).read_text()
+    join = re.findall(r"join_timeout=(?:\$\{\w+:-)?(\d+)", text)
+    read = re.findall(r"read_timeout=(\d+)", text)
+    assert join and read, f"{path} leaves torchrun's rendezvous timeouts at their defaults"
+    assert max(map(int, join)) <= 60 and max(map(int, read)) <= 30, (join, read)
