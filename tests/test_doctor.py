@@ -1,8 +1,10 @@
 """`make doctor` reports each check and fails when one fails."""
 
 import socket
+from datetime import timedelta
 
 from conftest import REPO, VENV, run
+from torch.distributed import TCPStore
 
 
 def doctor(endpoint):
@@ -11,13 +13,13 @@ def doctor(endpoint):
 
 
 def test_doctor_passes_with_a_reachable_endpoint():
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        proc = doctor(f"127.0.0.1:{listener.getsockname()[1]}")
+    # what node 0's torchrun opens: a TCPStore
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    proc = doctor(f"127.0.0.1:{store.port}")
     assert proc.returncode == 0, proc.stdout
-    for line in ["PASS  backends", "PASS  endpoint", "PASS  all-reduce", "INFO  versions", "torch 2.13.0"]:
-        assert line in proc.stdout
+    lines = ["PASS  backends", "PASS  endpoint", "PASS  all-reduce", "INFO  versions", "INFO  interfaces"]
+    for line in [*lines, "python 3.", "torch 2.13.0", "CUDA ", "NCCL "]:
+        assert line in proc.stdout, line
     assert "doctor: all" in proc.stdout and "checks pass" in proc.stdout
 
 
@@ -28,3 +30,12 @@ def test_doctor_fails_and_explains_an_unreachable_endpoint():
     assert proc.returncode != 0
     assert "FAIL  endpoint" in proc.stdout and "Usual causes" in proc.stdout
     assert "doctor: 1 of" in proc.stdout and "checks FAILED" in proc.stdout
+
+
+def test_doctor_fails_on_a_port_held_by_another_program():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()  # accepts connections, never answers
+        proc = doctor(f"127.0.0.1:{listener.getsockname()[1]}")
+    assert proc.returncode != 0
+    assert "FAIL  endpoint" in proc.stdout and "does not answer as a torch rendezvous store" in proc.stdout

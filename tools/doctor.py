@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import split_endpoint, store_answers  # tools/launch.py, beside this file
 
 results = []
 
@@ -98,21 +99,33 @@ def network():
 
 
 def endpoint(value, seconds):
-    host, _, port = value.rpartition(":")
     start = time.monotonic()
     try:
-        with socket.create_connection((host, int(port)), timeout=seconds):
-            pass
-    except (OSError, ValueError) as exc:
+        host, port = split_endpoint(value)
+        answer = store_answers(host, port, seconds)
+    except ValueError as exc:
+        answer = exc
+    if answer is True:
+        report(
+            "PASS",
+            "endpoint",
+            f"a torch rendezvous store answered at {value} in {time.monotonic() - start:.3f} s",
+        )
+    elif answer is False:
         report(
             "FAIL",
             "endpoint",
-            f"cannot reach {value} within {seconds:g} s ({exc}). Usual causes: the address is not node 0's, "
-            "a firewall blocks the port, the job on node 0 has not started yet (it opens the port), or a "
-            "container network that does not reach that host",
+            f"{value} accepts connections but does not answer as a torch rendezvous store within "
+            f"{seconds:g} s: another program holds that port (torchrun would wait on it forever)",
         )
-        return
-    report("PASS", "endpoint", f"{value} accepted a connection in {time.monotonic() - start:.3f} s")
+    else:
+        report(
+            "FAIL",
+            "endpoint",
+            f"no rendezvous store answers at {value} ({answer or 'refused, reset or no connection within 2 s'}). Usual "
+            "causes: the address is not node 0's, a firewall blocks the port, the job on node 0 has not "
+            "started yet (it opens the port), or a container network that does not reach that host",
+        )
 
 
 def all_reduce_worker(rank, world_size, port, numel):

@@ -31,25 +31,40 @@ def rdzv_conf(text):
     return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
 
 
-def check_port(endpoint, seconds=10):
-    """Ends the run when a program that is not a rendezvous store holds the endpoint's port: torchrun would
-    connect to it and wait for an answer that never comes, past every timeout."""
+def split_endpoint(endpoint):
+    """HOST:PORT as (host, port); torchrun's c10d default port when there is none."""
     host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+    return host, int(port)
+
+
+def store_answers(host, port, seconds=10):
+    """True when a torch TCPStore answers at host:port; False when a program accepts the connection and
+    then stays silent for `seconds` (where torchrun would wait forever); None when nothing accepts a
+    connection within 2 s, or the connection is refused or reset."""
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
+        socket.create_connection((host, port), timeout=2).close()
     except OSError:
-        return  # nobody answers yet: this torchrun hosts the store, or waits for it within read_timeout
-    answered = threading.Event()
+        return None
+    outcome = []
 
     def probe():
         try:
-            TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
-        except Exception:  # refused or reset: torchrun reports it with its own bounds
-            pass
-        answered.set()
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=seconds))
+            outcome.append(True)
+        except Exception:  # refused or reset: torchrun reports that itself, within its bounds
+            outcome.append(None)
 
-    threading.Thread(target=probe, daemon=True).start()
-    if not answered.wait(seconds):
+    thread = threading.Thread(target=probe, daemon=True)  # a silent program never lets it return
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if outcome else False
+
+
+def check_port(endpoint, seconds=10):
+    """Ends the run when a program that is not a rendezvous store holds the endpoint's port: torchrun would
+    connect to it and wait for an answer that never comes, past every timeout."""
+    host, port = split_endpoint(endpoint)
+    if store_answers(host, port, seconds) is False:
         sys.exit(
             f"error: port {port} on {host} is already in use by a program that is not a torch rendezvous "
             f"store (no answer within {seconds} s). Stop that program or choose another port in "
