@@ -180,7 +180,7 @@ slurm-cluster: ## start a two-node Slurm cluster on this machine (root; needs sl
 
 slurm-submit: $(ENV) ## sbatch the Slurm example to that cluster, print its output as it comes, wait for the end
 	@eval "$$($(SLURM_CLUSTER) env)"; mkdir -p $(RUNS)/$@; \
-	job=$$(TORCHRUN="$(abspath $(PY)) -m torch.distributed.run" SNAPSHOT_PATH="$(abspath $(RUNS))/$@/snapshot.pt" \
+	job=$$(TORCHRUN="$(abspath $(PY)) $(abspath tools/launch.py)" SNAPSHOT_PATH="$(abspath $(RUNS))/$@/snapshot.pt" \
 	  sbatch --parsable --output=$(RUNS)/$@/%x-%j.out $(SBATCH_ARGS) \
 	  examples/slurm/sbatch_run.sh $(EPOCHS) $(SAVE_EVERY) $(ARGS)) || exit; \
 	out=$(RUNS)/$@/ddp-multinode-$$job.out; echo "job $$job, output in $$out"; \

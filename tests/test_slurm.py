@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TORCHRUN, TrainLog, need, run
+from conftest import PYTHON, REPO, TrainLog, need, run
 
 JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
 CLUSTER = REPO / "tools" / "slurm-cluster.sh"
@@ -76,7 +76,7 @@ def submit_and_wait(
     """sbatch the job script from the repository root with workdir as the job's directory, wait until it
     ends, calling while_running(output so far) once a second; return (final state, seconds from submission
     to that state, text of its output file)."""
-    job_env = {**env, "TORCHRUN": " ".join(TORCHRUN), **extra_env}
+    job_env = {**env, "TORCHRUN": f"{PYTHON} {REPO / 'tools' / 'launch.py'}", **extra_env}
     start = time.monotonic()
     proc = run(
         [
@@ -161,6 +161,9 @@ def test_job_script_refuses_to_run_outside_slurm():
     assert "run this with sbatch" in proc.stdout
 
 
+LAUNCHERS = (b"torchrun", b"launch.py")
+
+
 def training_pids(marker, rank):
     """Training processes on this machine (the local cluster's nodes share it) with marker among their
     arguments and the given global RANK; torchrun itself is not one of them."""
@@ -176,7 +179,7 @@ def training_pids(marker, rank):
         if (
             marker.encode() in argv
             and f"RANK={rank}".encode() in environ
-            and not any(b"torch.distributed.run" in a or a.endswith(b"torchrun") for a in argv)
+            and not any(a.endswith(LAUNCHERS) or b"torch.distributed.run" in a for a in argv)
         ):
             pids.append(int(proc.name))
     return pids

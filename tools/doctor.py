@@ -122,9 +122,9 @@ def endpoint(value, seconds):
         report(
             "FAIL",
             "endpoint",
-            f"no rendezvous store answers at {value} ({answer or 'refused, reset or no connection within 2 s'}). Usual "
-            "causes: the address is not node 0's, a firewall blocks the port, the job on node 0 has not "
-            "started yet (it opens the port), or a container network that does not reach that host",
+            f"no rendezvous store answers at {value} ({answer or 'refused, reset or no connection in 2 s'})."
+            " Usual causes: the address is not node 0's, a firewall blocks the port, the job on node 0 has"
+            " not started yet (it opens the port), or a container network that does not reach that host",
         )
 
 

@@ -20,8 +20,10 @@
 #   RDZV_TIMEOUT    seconds to wait for every node to join before the job fails (default 60); a node
 #                   that cannot reach RDZV_HOST:RDZV_PORT at all gives up after about 45 s
 #   MAX_RESTARTS    times torchrun restarts the training processes after a failure (default 3)
-#   TORCHRUN        command that starts torchrun, split on spaces (default torchrun from PATH),
-#                   e.g. "/opt/venv/bin/torchrun" or "python3 -m torch.distributed.run"
+#   TORCHRUN        command that starts torchrun, split on spaces, e.g. "/opt/venv/bin/torchrun" or
+#                   "python3 -m torch.distributed.run" (default: "python tools/launch.py" when submitted
+#                   from the repository root, torchrun plus a message naming the endpoint and the causes
+#                   when the nodes do not meet; else torchrun from PATH)
 #
 #SBATCH --job-name=ddp-multinode
 #SBATCH --output=%x-%j.out
@@ -59,7 +61,12 @@ rdzv_host=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n
 rdzv_port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
 snapshot=${SNAPSHOT_PATH:-$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt}
 mkdir -p "$(dirname "$snapshot")"
-read -ra torchrun <<<"${TORCHRUN:-torchrun}"
+launch=$SLURM_SUBMIT_DIR/tools/launch.py
+if [ -z "${TORCHRUN:-}" ] && [ -f "$launch" ]; then
+  torchrun=(python "$launch")
+else
+  read -ra torchrun <<<"${TORCHRUN:-torchrun}"
+fi
 # After a restart (--max-restarts), the training processes of the new attempt must not find the addresses
 # the previous attempt left in torchrun's rendezvous store: with the store shared (torch's default), the new
 # process group reads stale ones and fails to connect ("Gloo connectFullMesh failed ... Connection refused").
