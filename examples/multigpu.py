@@ -401,7 +401,7 @@ def log_epoch(args, epoch, loss, samples, seconds, world_size):
 
 # ---- shared: distributed ----
 def describe_world():
-    """Rank 0 prints which host runs which ranks: `world_size 4 across 2 hosts: a ranks 0-1, b ranks 2-3`."""
+    """Rank 0 prints which host runs which ranks: `world_size 4 across 2 hosts (nccl): a ranks 0-1, b 2-3`."""
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     if dist.get_rank() == 0:
@@ -413,7 +413,8 @@ def describe_world():
                 spans.append([host, rank, rank])
         where = ", ".join(f"{h} ranks {a}-{b}" if b > a else f"{h} rank {a}" for h, a, b in spans)
         count = len(set(hosts))
-        print(f"world_size {len(hosts)} across {count} host{'s' * (count > 1)}: {where}", flush=True)
+        across = f"{count} host{'s' * (count > 1)} ({dist.get_backend()})"
+        print(f"world_size {len(hosts)} across {across}: {where}", flush=True)
 
 
 def check_weights_in_sync(model):

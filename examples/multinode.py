@@ -118,11 +118,11 @@ def prepare_dataloader(dataset, args):
     )
 
 
-def main(args):
+def main(args, train_objs):
     ddp_setup(args.collective_timeout)
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its own node: picks the GPU
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    train_set, model, optimizer, loss_fn = train_objs  # from check_launch, before joining the group
     train_data = prepare_dataloader(train_set, args)
     describe_world()
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
@@ -130,7 +130,8 @@ def main(args):
 
 
 def check_launch(parser, args):
-    """Catch a plain `python` start and bad input in every process, before any of them joins the group."""
+    """Catch a plain `python` start and bad input in every process, before any of them joins the group.
+    Returns what load_train_objs built, so that main() does not build it again."""
     if "LOCAL_RANK" not in os.environ:
         parser.error(
             "start me with torchrun on every node, e.g. torchrun --nnodes=2 --nproc-per-node=2 "
@@ -140,9 +141,11 @@ def check_launch(parser, args):
     if gpus and local_procs > gpus:
         parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
     try:
-        check_dataset(parser, load_train_objs(args)[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
+        train_objs = load_train_objs(args)
+        check_dataset(parser, train_objs[0], int(os.environ["WORLD_SIZE"]), args.batch_size)
     except ValueError as exc:
         parser.error(str(exc))
+    return train_objs
 
 
 # Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
@@ -396,7 +399,7 @@ def log_epoch(args, epoch, loss, samples, seconds, world_size):
 
 # ---- shared: distributed ----
 def describe_world():
-    """Rank 0 prints which host runs which ranks: `world_size 4 across 2 hosts: a ranks 0-1, b ranks 2-3`."""
+    """Rank 0 prints which host runs which ranks: `world_size 4 across 2 hosts (nccl): a ranks 0-1, b 2-3`."""
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     if dist.get_rank() == 0:
@@ -408,7 +411,8 @@ def describe_world():
                 spans.append([host, rank, rank])
         where = ", ".join(f"{h} ranks {a}-{b}" if b > a else f"{h} rank {a}" for h, a, b in spans)
         count = len(set(hosts))
-        print(f"world_size {len(hosts)} across {count} host{'s' * (count > 1)}: {where}", flush=True)
+        across = f"{count} host{'s' * (count > 1)} ({dist.get_backend()})"
+        print(f"world_size {len(hosts)} across {across}: {where}", flush=True)
 
 
 def check_weights_in_sync(model):
@@ -462,5 +466,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     check_args(parser, args)
     check_ddp_options(parser, args)
-    check_launch(parser, args)
-    main(args)
+    main(args, check_launch(parser, args))

@@ -2,11 +2,13 @@
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -18,12 +20,19 @@ VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed t
 NODE = r"^(?:\[\w+\] )?"
 EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
 FINAL_RE = re.compile(NODE + r"final weights sha256 ([0-9a-f]+)(?: identical on (\d+) ranks)?$", re.M)
-HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts?: (.*)$", re.M)
+HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts? \((\w+)\): (.*)$", re.M)
+
+
+# The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that
+# do are marked needs_gpu and skipped where torch sees no GPU, as in CI.
+GPUS = torch.cuda.device_count()
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
+needs_gpu = pytest.mark.skipif(not GPUS, reason="no CUDA GPU visible to torch")
 
 
 def run(cmd, *, timeout, check=True, env=None, **kwargs):
     """Run cmd, capture stdout+stderr as text, fail the test with the output on error or timeout."""
-    # CPU only, so that the same assertions hold on a machine with GPUs (e.g. 2 processes on 1 GPU)
+    # CPU only by default, so that the same assertions hold on a machine with GPUs (2 processes on 1 GPU)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     try:
         proc = subprocess.run(
@@ -58,6 +67,7 @@ class TrainLog:
         self.ranks_in_sync = int(final.group(2) or 1) if final else None
         hosts = HOSTS_RE.search(text)
         self.num_hosts = int(hosts.group(2)) if hosts else None
+        self.backend = hosts.group(3) if hosts else None  # gloo or nccl
 
     def assert_trained(self, world_size, factor=2.0):
         assert self.losses, f"no epoch lines in output:\n{self.text[-3000:]}"
@@ -85,7 +95,11 @@ def example_cmd(name, *args, nproc=2, script=None):
     return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", script, *args]
 
 
-def load_snapshot(path):
-    import torch
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
+
+def load_snapshot(path):
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -42,6 +42,7 @@ def test_trains_from_a_lone_copy(runs, name):
     world_size = 1 if name == "single_gpu" else NPROC
     result.log.assert_trained(world_size, factor=10)
     assert result.log.epochs == list(range(1, EPOCHS + 1))
+    assert result.log.backend == (None if name == "single_gpu" else "gloo")  # no GPU visible: gloo
     # Only what the run was asked to write: no stray temporary snapshot files.
     written = sorted(p.name for p in result.folder.iterdir())
     assert written == sorted([f"{name}.py", "metrics.jsonl", f"{name}_snapshot.pt"])

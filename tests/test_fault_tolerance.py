@@ -11,7 +11,21 @@ import time
 
 import psutil
 import pytest
-from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, TrainLog, example_cmd, load_snapshot, need, run
+from conftest import (
+    EXAMPLES,
+    GPU_ENV,
+    GPUS,
+    PYTHON,
+    REPO,
+    TORCHRUN,
+    TrainLog,
+    example_cmd,
+    free_port,
+    load_snapshot,
+    need,
+    needs_gpu,
+    run,
+)
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
 ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7]
@@ -27,12 +41,14 @@ def wait_for_epochs(metrics, count, proc, limit=300):
     pytest.fail(f"no {count} epochs logged within {limit}s")
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, device):
+    nproc, env = (2, {}) if device == "cpu" else (min(2, GPUS), GPU_ENV)
     (tmp_path / "clean").mkdir()
-    run(example_cmd("multigpu_torchrun", *ARGS), timeout=600, cwd=tmp_path / "clean")
+    run(example_cmd("multigpu_torchrun", *ARGS, nproc=nproc), timeout=600, cwd=tmp_path / "clean", env=env)
     expected = load_snapshot(tmp_path / "clean" / "multigpu_torchrun_snapshot.pt")
 
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1"]
     cmd += [EXAMPLES / "multigpu_torchrun.py", *ARGS, "--metrics_path", "m.jsonl"]
     agent = subprocess.Popen(
         [str(c) for c in cmd],
@@ -41,15 +57,15 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
         stderr=subprocess.STDOUT,
         text=True,
         # torch 2.13: restarted workers must not reuse the agent's store, or gloo dials the old round's ports
-        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": ""},
+        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": "", **env},
     )
     try:
         wait_for_epochs(tmp_path / "m.jsonl", 2, agent)
         time.sleep(0.3)  # into the third epoch
         children = psutil.Process(agent.pid).children()
         workers = [p for p in children if any(a.endswith("multigpu_torchrun.py") for a in p.cmdline())]
-        assert len(workers) == 2
-        workers[1].send_signal(signal.SIGKILL)
+        assert len(workers) == nproc
+        workers[-1].send_signal(signal.SIGKILL)
         out, _ = agent.communicate(timeout=600)
     finally:
         agent.kill()
@@ -62,7 +78,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
     epochs = [json.loads(line)["epoch"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     # the epoch cut short is run again from its start; it was never logged, so every epoch appears once
     assert sorted(set(epochs)) == [1, 2, 3, 4, 5, 6] and epochs[-1] == 6, epochs
-    assert TrainLog(out).ranks_in_sync == 2
+    assert TrainLog(out).ranks_in_sync == nproc
+    assert TrainLog(out).backend == ("gloo" if device == "cpu" else "nccl")
 
 
 def test_spawn_names_a_port_that_is_already_taken(tmp_path):
@@ -102,12 +119,6 @@ def launch(endpoint, tmp_path, conf="join_timeout=5,read_timeout=5"):
     start = time.monotonic()
     proc = run(cmd, timeout=300, check=False, cwd=tmp_path)
     return proc, time.monotonic() - start
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(

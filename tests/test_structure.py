@@ -12,9 +12,9 @@ ALL = [*STEPS, "multigpu_accelerate"]
 # Changed lines (added + removed) allowed between a step and the one it builds on. The first DDP step
 # carries most of the lesson; the others only change how processes are launched. README.md quotes these.
 DIFF_BOUND = {
-    # 170 for the lesson itself, plus 40 for DDP's own options (the ddp_options block, no_sync)
-    ("single_gpu", "multigpu"): 210,
-    ("multigpu", "multigpu_torchrun"): 100,
+    # 175 for the lesson itself, plus 40 for DDP's own options (the ddp_options block, no_sync)
+    ("single_gpu", "multigpu"): 215,
+    ("multigpu", "multigpu_torchrun"): 105,
     ("multigpu_torchrun", "multinode"): 40,
     ("multigpu_torchrun", "multigpu_accelerate"): 80,
 }

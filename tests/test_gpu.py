@@ -1,0 +1,116 @@
+"""The GPU paths: NCCL, one process per GPU, weights on the GPU, bf16 and channels_last, doctor on GPUs.
+
+Skipped where torch sees no GPU (CI has none); `make test` on a GPU machine runs them on every visible GPU.
+"""
+
+import pytest
+import torch
+from conftest import (
+    EXAMPLES,
+    GPU_ENV,
+    GPUS,
+    PYTHON,
+    REPO,
+    TrainLog,
+    example_cmd,
+    free_port,
+    load_snapshot,
+    needs_gpu,
+    run,
+)
+
+pytestmark = needs_gpu
+
+BATCH, EPOCHS = 32, 4
+COMMON = ["--seed", "5", "--dataset_size", "4096"]
+DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
+
+
+def train(name, folder, *args, nproc=GPUS):
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = run(example_cmd(name, *args, nproc=nproc), timeout=300, cwd=folder, env=GPU_ENV)
+    return TrainLog(proc.stdout)
+
+
+def devices(snapshot_path):
+    """Where the saved weights lived: torch.save keeps each tensor's device."""
+    state = torch.load(snapshot_path, map_location=None, weights_only=True)["MODEL_STATE"]
+    return {tensor.device.type for tensor in state.values()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each example trained once on the GPUs; single_gpu takes the global batch of the others."""
+    folder = tmp_path_factory.mktemp("gpu")
+    logs = {}
+    for name in ["single_gpu", *DDP_EXAMPLES]:
+        batch = BATCH * GPUS if name == "single_gpu" else BATCH
+        logs[name] = train(name, folder / name, EPOCHS, 2, "--batch_size", batch, *COMMON)
+    return folder, logs
+
+
+@pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
+def test_trains_on_the_gpus(runs, name):
+    folder, logs = runs
+    ddp = name != "single_gpu"
+    logs[name].assert_trained(GPUS if ddp else 1, factor=10)
+    assert logs[name].backend == ("nccl" if ddp else None), logs[name].text[-2000:]
+    assert devices(folder / name / f"{name}_snapshot.pt") == {"cuda"}
+
+
+@pytest.mark.parametrize("name", DDP_EXAMPLES)
+def test_ddp_with_nccl_equals_one_gpu_with_the_global_batch(runs, name):
+    folder, logs = runs
+    expected = load_snapshot(folder / "single_gpu" / "single_gpu_snapshot.pt")["MODEL_STATE"]
+    actual = load_snapshot(folder / name / f"{name}_snapshot.pt")["MODEL_STATE"]
+    for key, tensor in expected.items():  # GPU reductions may sum in another order than the CPU's
+        torch.testing.assert_close(actual[key], tensor, rtol=1e-4, atol=1e-5)
+    assert logs[name].losses == pytest.approx(logs["single_gpu"].losses, rel=1e-3)
+
+
+def test_resume_on_the_gpus_ends_where_an_uninterrupted_run_ends(runs, tmp_path):
+    _, logs = runs
+    args = ["--batch_size", BATCH, *COMMON]
+    train("multigpu_torchrun", tmp_path, 2, 2, *args)
+    resumed = train("multigpu_torchrun", tmp_path, EPOCHS, 2, *args)
+    assert resumed.epochs == [3, 4], resumed.text[-2000:]
+    assert resumed.checksum == logs["multigpu_torchrun"].checksum
+
+
+def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
+    too_many = GPUS + 1
+    spawn = run([PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--nproc", too_many], timeout=120, check=False,
+                cwd=tmp_path, env=GPU_ENV)  # fmt: skip
+    assert spawn.returncode == 2, spawn.stdout[-2000:]
+    assert f"--nproc must be between 1 and the number of GPUs ({GPUS}), got {too_many}" in spawn.stdout
+    torchrun = run(example_cmd("multigpu_torchrun", 1, 1, nproc=too_many), timeout=120, check=False,
+                   cwd=tmp_path, env=GPU_ENV)  # fmt: skip
+    assert torchrun.returncode != 0
+    assert f"{too_many} processes per node but only {GPUS} GPUs" in torchrun.stdout, torchrun.stdout[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_vision_with_bf16_channels_last_and_a_bf16_comm_hook(tmp_path):
+    args = ["--workload", "vision", "--dataset_size", 1024, "--bf16", "--channels_last"]
+    args += ["--comm_hook", "bf16"]
+    log = train("multigpu_torchrun", tmp_path, 4, 4, *args)
+    log.assert_trained(GPUS, factor=2)
+    assert log.backend == "nccl"
+    assert devices(tmp_path / "multigpu_torchrun_snapshot.pt") == {"cuda"}
+
+
+def test_multinode_through_the_launcher_with_nccl(tmp_path):
+    cmd = [PYTHON, REPO / "tools" / "launch.py", "--nnodes=1", f"--nproc-per-node={GPUS}"]
+    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-conf=join_timeout=60"]
+    proc = run([*cmd, EXAMPLES / "multinode.py", 3, 3, *COMMON], timeout=300, cwd=tmp_path, env=GPU_ENV)
+    log = TrainLog(proc.stdout)
+    log.assert_trained(GPUS, factor=10)
+    assert log.backend == "nccl"
+
+
+def test_doctor_all_reduces_with_nccl(tmp_path):
+    proc = run([PYTHON, REPO / "tools" / "doctor.py"], timeout=300, check=False, cwd=tmp_path, env=GPU_ENV)
+    assert proc.returncode == 0, proc.stdout
+    assert f"INFO  gpus         {GPUS}: {torch.cuda.get_device_name(0)}" in proc.stdout, proc.stdout
+    assert f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" in proc.stdout
+    assert f"PASS  all-reduce   {min(GPUS, 2)} local process(es) agree on the sum (nccl)" in proc.stdout
