@@ -388,7 +388,7 @@ def log_epoch(args, epoch, loss, samples, seconds, world_size):
 
 # ---- shared: distributed ----
 def describe_world():
-    """Rank 0 prints which host runs which ranks: `world_size 4 across 2 hosts (nccl): a ranks 0-1, b 2-3`."""
+    """Rank 0 prints where ranks run: `world_size 4 across 2 hosts (nccl): a ranks 0-1, b ranks 2-3`."""
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     if dist.get_rank() == 0:

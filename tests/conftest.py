@@ -20,7 +20,7 @@ VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed t
 NODE = r"^(?:\[\w+\] )?"
 EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
 FINAL_RE = re.compile(NODE + r"final weights sha256 ([0-9a-f]+)(?: identical on (\d+) ranks)?$", re.M)
-HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts? \((\w+)\): (.*)$", re.M)
+HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts? \(([^)]+)\): (.*)$", re.M)
 
 
 # The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that

@@ -77,6 +77,7 @@ def test_compose_files_parse(compose, variant):
     for name, service in services.items():
         assert service["hostname"] == name
         assert "ports" not in service, "the rendezvous port must stay on the project network"
+        assert "network_mode" not in service, "the host's network would expose every port"
         assert any(v.endswith(":/snapshots") or ":/snapshots:" in v for v in map(str, service["volumes"]))
 
 
