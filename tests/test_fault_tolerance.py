@@ -105,11 +105,14 @@ def two_hosts():
 def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, two_hosts):
     # On host a, MASTER_ADDR names host b, where nothing listens: rank 0 cannot reach its own store there.
     cmd = ["ip", "netns", "exec", "ft-a", PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--timeout", 5]
+    start = time.monotonic()
     proc = run(cmd, env={"MASTER_ADDR": "b"}, timeout=240, check=False, cwd=tmp_path)
+    seconds = time.monotonic() - start
     assert proc.returncode != 0
     assert "could not join the process group at b:" in proc.stdout, proc.stdout[-3000:]
     assert "within 5 s" in proc.stdout and "Usual causes" in proc.stdout
     assert "Traceback" not in proc.stdout
+    assert seconds < 120, f"took {seconds:.0f} s with a 5 s timeout"  # bounded by it, not by the test's limit
 
 
 def launch(endpoint, tmp_path, conf="join_timeout=5,read_timeout=5"):
