@@ -1,345 +1,152 @@
 """Step 1: train on one device, a GPU when there is one, else the CPU.
 
-    python single_gpu.py 10 5                      # tiny regression, 10 epochs, snapshot every 5
-    python single_gpu.py 10 5 --workload vision    # ResNet-18 on synthetic 32x32 images
-    python single_gpu.py 10 5 --workload vision --data_dir ~/data/train   # an ImageFolder tree
-
-Every later step is this file plus the changes DDP needs; `make diff` prints them.
+python single_gpu.py 10 5 [--workload vision]    # 10 epochs, a snapshot every 5; run it again to resume
 """
 
 import argparse
-import ctypes
-import hashlib
 import json
 import os
-import pickle
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
         self.device = device
-        self.model = to_device(model, device, args)
+        self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.args = args
-        self.epochs_run = 0
-        if os.path.exists(args.snapshot_path):
-            self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.workload)
-            print(resume_message(args, self.epochs_run), flush=True)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
 
-    def _run_batch(self, source, targets, scale, step):
-        with autocast(self.args, self.device):
-            loss = self.loss_fn(self.model(source), targets)
-        (loss * scale).backward()
-        if step:  # the group's last batch: apply the summed gradients
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order every epoch
-        torch.manual_seed(self.args.seed + epoch)  # random transforms repeat exactly after a resume
-        totals = torch.zeros(2, device=self.device)  # sum of losses, number of samples
-        for source, targets, scale, step in micro_batches(self.train_data, self.args.grad_accum):
-            source, targets = to_device(source, self.device, self.args), targets.to(self.device)
-            loss = self._run_batch(source, targets, scale, step)
-            totals += torch.stack([loss * len(source), loss.new_tensor(len(source))])
-        return totals
-
-    def _save_snapshot(self, epochs_run):
-        save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epochs_run, self.args.workload)
+        self.train_data.sampler.generator.manual_seed(self.args.seed + epoch)  # a new, seeded order
+        losses = []
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            losses.append(self._run_batch(source, targets))
+        return torch.stack(losses).mean()
 
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             start = time.perf_counter()
-            loss_sum, samples = self._run_epoch(epoch).tolist()
-            log_epoch(self.args, epoch + 1, loss_sum / samples, samples, time.perf_counter() - start, 1)
+            loss = self._run_epoch(epoch)
+            log_epoch(self.args, epoch + 1, loss, start, len(self.train_data.dataset))
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                self._save_snapshot(epoch + 1)
-        print(f"final weights sha256 {weights_sha256(self.model)}", flush=True)
+                save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch + 1)
 
 
-def prepare_dataloader(dataset, args):
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        pin_memory=torch.cuda.is_available(),
-        num_workers=args.num_workers,
-        # one replica: a seeded shuffle, reshuffled by set_epoch; the DDP steps split the same order
-        sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=args.seed),
-    )
-
-
-def main():
-    parser = get_parser()
-    args = parser.parse_args()
-    check_args(parser, args)
+def main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        train_set, model, optimizer, loss_fn = load_train_objs(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    check_dataset(parser, train_set, 1, args.batch_size)
-    train_data = prepare_dataloader(train_set, args)
+    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    sampler = RandomSampler(train_set, generator=torch.Generator())  # shuffled; seeded every epoch
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
 
 
-# Below: the plumbing every example shares, kept identical in all of them (tests/test_structure.py
-# checks), so that the lesson above reads first. Python looks these names up when main() runs.
-
-
-# ---- shared: arguments ----
+# Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
-    parser.add_argument(
-        "--batch_size", type=int, default=32, help="samples per step per process (default 32)"
-    )
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data, initial weights and shuffling")
-    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    parser.add_argument(
-        "--snapshot_path", default=f"{script}_snapshot.pt", help="resume from, save to (default: %(default)s)"
-    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
     parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
     parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
-    parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png); default synthetic")
-    parser.add_argument(
-        "--dataset_size", type=int, default=2048, help="samples when generated (default 2048)"
-    )
-    parser.add_argument(
-        "--image_size", type=int, default=32, help="vision: image side in pixels (default 32)"
-    )
-    parser.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=60,
-        help="mp.spawn: seconds to wait for the others to join (default 60)",
-    )
-    parser.add_argument(
-        "--collective_timeout",
-        type=float,
-        default=600,
-        help="seconds a collective waits for the slowest process before the run fails (default 600)",
-    )
-    parser.add_argument(
-        "--grad_accum", type=int, default=1, help="batches whose gradients add up to one step (default 1)"
-    )
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in forward and loss (GPUs)")
-    parser.add_argument("--channels_last", action="store_true", help="vision: NHWC layout (GPU convolutions)")
+    parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png)")
+    parser.add_argument("--dataset_size", type=int, default=2048, help="samples when generated")
     return parser
 
 
 def check_args(parser, args):
-    """Reject bad input before any work starts: argparse-style message, exit status 2."""
-    for name in (
-        "total_epochs",
-        "save_every",
-        "batch_size",
-        "dataset_size",
-        "image_size",
-        "lr",
-        "timeout",
-        "collective_timeout",
-        "grad_accum",
-    ):
+    """Bad input ends here, before anything runs or is written: a message and exit status 2."""
+    for name in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
         if getattr(args, name) <= 0:
             parser.error(f"{name} must be positive, got {getattr(args, name)}")
-    if args.num_workers < 0:
-        parser.error(f"num_workers must be 0 or more, got {args.num_workers}")
-    if args.data_dir and args.workload != "vision":
-        parser.error("--data_dir needs --workload vision")
-    if args.data_dir and not os.path.isdir(args.data_dir):
-        parser.error(f"--data_dir {args.data_dir} is not a directory")
-
-
-def check_dataset(parser, train_set, world_size, batch_size):
-    if len(train_set) < world_size * batch_size:
-        parser.error(
-            f"the dataset has {len(train_set)} samples, fewer than one step needs: "
-            f"{world_size} process(es) x batch_size {batch_size}"
-        )
-
-
-# ---- end shared ----
-
-
-# ---- shared: workloads ----
-def tiny_dataset(size, seed):
-    """Linear regression toward a hidden target, generated from the seed: the same in every process."""
-    gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(size, 20, generator=gen)
-    weight, bias = torch.randn(20, 1, generator=gen), torch.randn(1, generator=gen)
-    targets = inputs @ weight + bias + 0.01 * torch.randn(size, 1, generator=gen)
-    return TensorDataset(inputs, targets)
-
-
-def vision_dataset(args):
-    """Images from an ImageFolder tree, or synthetic ones: each class a fixed pattern plus noise."""
-    if args.data_dir:
-        from torchvision import datasets, transforms
-
-        transform = transforms.Compose(
-            [
-                transforms.Resize((args.image_size, args.image_size)),
-                transforms.RandomHorizontalFlip(),
-                transforms.ToTensor(),
-                transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-            ]
-        )
-        try:
-            return datasets.ImageFolder(args.data_dir, transform=transform)
-        except (FileNotFoundError, OSError) as exc:
-            raise ValueError(f"--data_dir {args.data_dir}: {exc}") from None
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (3, args.image_size, args.image_size)
-    labels = torch.randint(10, (args.dataset_size,), generator=gen)
-    patterns = torch.randn(10, *shape, generator=gen)
-    images = patterns[labels] + torch.randn(args.dataset_size, *shape, generator=gen)
-    return TensorDataset(images, labels)
+    folder = args.data_dir
+    if folder and not (args.workload == "vision" and os.path.isdir(folder) and any(os.scandir(folder))):
+        parser.error(f"--data_dir {folder}: needs --workload vision and class folders (class/image.png)")
 
 
 def load_train_objs(args):
-    """The dataset, the model, its optimizer and loss function for the chosen workload."""
-    torch.manual_seed(args.seed)  # the same initial weights in every process and every run
-    if args.workload == "tiny":
-        train_set = tiny_dataset(args.dataset_size, args.seed)
+    """The dataset, the model, its optimizer and its loss function: the same in every process."""
+    torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
+    if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
+        inputs = torch.randn(args.dataset_size, 20)
+        targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
+        train_set = list(zip(inputs, targets, strict=True))
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
-    else:
-        from torchvision.models import resnet18
+    else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
+        from torchvision import datasets, models, transforms
 
-        train_set = vision_dataset(args)
-        num_classes = len(train_set.classes) if hasattr(train_set, "classes") else 10
-        model, loss_fn = resnet18(num_classes=num_classes), F.cross_entropy
+        if args.data_dir:
+            to_tensor = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
+            train_set = datasets.ImageFolder(args.data_dir, to_tensor)
+        else:
+            labels = torch.randint(10, (args.dataset_size,))
+            images = torch.randn(10, 3, 32, 32)[labels] + torch.randn(args.dataset_size, 3, 32, 32)
+            train_set = list(zip(images, labels, strict=True))
+        classes = len(train_set.classes) if args.data_dir else 10
+        model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, model, optimizer, loss_fn
 
 
-# ---- end shared ----
-
-
-# ---- shared: speed ----
-def micro_batches(loader, grad_accum):
-    """Yield each batch with its loss scale and whether it completes an optimizer step.
-
-    The gradients of grad_accum batches add up before one step. Scaling each loss by 1 / (batches in the
-    group) makes the sum the gradient of their mean: the step one batch grad_accum times larger would take.
-    """
-    count = len(loader)
-    for i, (source, targets) in enumerate(loader):
-        first = i - i % grad_accum  # the group's first batch; the epoch's last group may be shorter
-        size = min(grad_accum, count - first)
-        yield source, targets, 1.0 / size, i == first + size - 1
-
-
-def autocast(args, device):
-    """With --bf16: matmuls and convolutions in bfloat16, weights, gradients and updates stay float32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-
-
-def to_device(obj, device, args):
-    """Move a model or a batch to the device; with --channels_last, the model and image batches go NHWC."""
-    if args.channels_last and (isinstance(obj, torch.nn.Module) or obj.dim() == 4):
-        return obj.to(device, memory_format=torch.channels_last)
-    return obj.to(device)
-
-
-# ---- end shared ----
-
-
-# ---- shared: snapshots ----
-def save_snapshot(path, model, optimizer, epochs_run, workload):
-    """Write the snapshot atomically: a crash mid-write leaves the previous one intact."""
-    snapshot = {
-        "MODEL_STATE": model.state_dict(),
-        "OPTIMIZER_STATE": optimizer.state_dict(),
-        "EPOCHS_RUN": epochs_run,
-        "WORKLOAD": workload,
-    }
+def save_snapshot(path, model, optimizer, epochs_run):
+    """Write a temporary file, then rename it: a crash mid-write leaves the previous snapshot whole."""
+    state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(snapshot, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with open(tmp, "wb") as f:
+        torch.save({**state, "EPOCHS_RUN": epochs_run}, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the snapshot
+    os.replace(tmp, path)
 
 
-def load_snapshot(path, model, optimizer, device, workload):
-    """Restore model and optimizer in place; return the number of epochs already run."""
-    try:
-        # weights_only: tensors and plain containers only, a pickle that would run code is refused
-        location = "cpu" if torch.device(device).type == "cpu" else device  # accelerate says cpu:0
-        snapshot = torch.load(path, map_location=location, weights_only=True)
-        if snapshot.get("WORKLOAD") != workload:
-            raise ValueError(f"it was written by the {snapshot.get('WORKLOAD')!r} workload, not {workload!r}")
+def load_snapshot(path, model, optimizer, device):
+    """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
+    if not os.path.exists(path):
+        return 0
+    try:  # weights_only: tensors and plain containers only, a file that would run code is refused
+        snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
-        return int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage makes the unpickler fail in many ways; the type is in the message
-        reason = f"{type(exc).__name__}: " + (str(exc).strip() or "no detail").splitlines()[0]
-        if isinstance(exc, pickle.UnpicklingError):  # torch's text suggests weights_only=False: never do that
-            reason = "not a plain weights file: corrupt, or holding objects that would run code when loaded"
-        sys.exit(
-            f"error: cannot resume from snapshot {path}: {reason}\n"
-            "It is unreadable, truncated or from another model. It was left untouched: move it away to "
-            "start from scratch, or pass --snapshot_path with a new file."
-        )
+        epochs_run = int(snapshot["EPOCHS_RUN"])
+    except Exception as exc:  # garbage fails in many ways: name the type and the first line
+        reason = f"{type(exc).__name__}: {(str(exc).strip() or 'no detail').splitlines()[0]}"
+        sys.exit(f"error: cannot resume from snapshot {path} ({reason}). It is left untouched: move it away.")
+    print(f"resuming from {path}: {epochs_run} epochs already run", flush=True)
+    return epochs_run
 
 
-def resume_message(args, epochs_run):
-    if epochs_run >= args.total_epochs:
-        return (
-            f"{args.snapshot_path} already holds {epochs_run} epochs, nothing to train: raise TOTAL_EPOCHS "
-            "to train on, or delete the snapshot to start over"
-        )
-    return f"resuming from {args.snapshot_path} at epoch {epochs_run + 1}"
-
-
-def weights_sha256(model):
-    """A fingerprint of every parameter, bit for bit. Buffers such as BatchNorm statistics are left out:
-    each process updates its own, and DDP copies rank 0's to the others at the start of every forward."""
-    digest = hashlib.sha256()
-    for tensor in model.parameters():
-        t = tensor.detach().cpu().contiguous()
-        digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
-    return digest.hexdigest()[:12]
-
-
-def log_epoch(args, epoch, loss, samples, seconds, world_size):
-    print(
-        f"epoch {epoch}/{args.total_epochs} | loss {loss:.6g} | {samples / seconds:.0f} samples/s | "
-        f"{seconds:.2f} s | world_size {world_size}",
-        flush=True,
-    )
+def log_epoch(args, epoch, loss, start, samples, world_size=1):
+    loss, seconds = loss.item() / world_size, time.perf_counter() - start
+    record = {"epoch": epoch, "loss": loss, "samples_per_s": samples / seconds, "world_size": world_size}
+    speed = f"{samples / seconds:.0f} samples/s | {seconds:.2f} s | world_size {world_size}"
+    print(f"epoch {epoch}/{args.total_epochs} | loss {loss:.6g} | {speed}", flush=True)
     if args.metrics_path:
-        record = {
-            "epoch": epoch,
-            "loss": loss,
-            "samples_per_s": samples / seconds,
-            "epoch_time_s": seconds,
-            "world_size": world_size,
-        }
         with open(args.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 
-# ---- end shared ----
-
-
 if __name__ == "__main__":
-    main()
+    parser = get_parser()
+    args = parser.parse_args()
+    check_args(parser, args)
+    main(args)
