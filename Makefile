@@ -7,8 +7,6 @@ ARGS ?=
 # Processes per node: one per GPU, or 2 on a machine without GPUs.
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
-# torchrun's rendezvous gives up after these seconds instead of the default 600 when a node never comes.
-RDZV_CONF ?= join_timeout=60,read_timeout=30
 # For `make doctor`: a rendezvous HOST:PORT to try to reach.
 ENDPOINT ?=
 # Where snapshots and logs go, one folder per target.
@@ -19,12 +17,10 @@ PYTHON3 ?= python3
 
 PY := $(VENV)/bin/python
 TORCHRUN := $(PY) -m torch.distributed.run
-# torchrun, plus a message naming the endpoint and the usual causes when the nodes cannot meet
-LAUNCH = $(PY) tools/launch.py
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
-# A free port for the local two-node rendezvous, so two runs never collide.
-FREE_PORT = $(shell $(PYTHON3) -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+# $(call step,EXAMPLE): start a step as tools/steps.py builds it (the tests and the bench use it too)
+step = mkdir -p $(RUNS)/$@ && $(PYTHON3) tools/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) --python '$(PY)' -- $(TRAIN_ARGS)
 STEPS := single_gpu multigpu multigpu_torchrun multinode
 # $(call retry,COMMAND): up to three tries, for downloads through a flaky network.
 retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; test -n "$$ok"
@@ -102,29 +98,19 @@ $(ENV): requirements.txt
 	touch $@
 
 single_gpu: $(ENV) ## step 1: one device (GPU, else CPU)
-	$(PY) examples/single_gpu.py $(TRAIN_ARGS)
+	$(call step,single_gpu)
 
 multigpu: $(ENV) ## step 2: DDP with mp.spawn, NPROC processes on this machine
-	$(PY) examples/multigpu.py $(TRAIN_ARGS) --nproc $(NPROC)
+	$(call step,multigpu)
 
 torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
-	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_torchrun.py $(TRAIN_ARGS)
+	$(call step,multigpu_torchrun)
 
 multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GPUs split between them)
-	@export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; \
-	if [ $(GPUS) -ge 2 ]; then per=$$(( $(GPUS) / 2 )); \
-	  first_gpus=$$(seq -s, 0 $$((per - 1))); second_gpus=$$(seq -s, $$per $$((2 * per - 1))); \
-	else per=$(NPROC); first_gpus=""; second_gpus=""; fi; \
-	port=$(FREE_PORT); node="$(LAUNCH) --nnodes=2 --nproc-per-node=$$per --rdzv-backend=c10d \
-	  --rdzv-endpoint=localhost:$$port --rdzv-id=make-multinode --rdzv-conf=$(RDZV_CONF) \
-	  examples/multinode.py $(TRAIN_ARGS)"; \
-	echo "on each of two nodes (GPUs '$$first_gpus' and '$$second_gpus'): $$node"; \
-	CUDA_VISIBLE_DEVICES=$$first_gpus $$node 2>&1 | sed -u 's/^/[node0] /' & first=$$!; \
-	CUDA_VISIBLE_DEVICES=$$second_gpus $$node 2>&1 | sed -u 's/^/[node1] /' & second=$$!; \
-	wait $$first && wait $$second
+	$(call step,multinode)
 
 accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
-	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/multigpu_accelerate.py $(TRAIN_ARGS)
+	$(call step,multigpu_accelerate)
 
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \

@@ -20,7 +20,8 @@ class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, accelerator, args):
         self.accelerator = accelerator
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        self.device = device = accelerator.device
+        # torch.load cannot map to accelerate's name for the CPU, "cpu:0": say "cpu"
+        self.device = device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer

@@ -2,7 +2,6 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +10,25 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import steps  # noqa: E402  (tools/steps.py: how each step is started, shared with the Makefile and the bench)
+
+free_port = steps.free_port
 EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed to make as VENV
 
-# Lines printed by rank 0; `make multinode` prefixes each node's output with "[nodeN] ".
+# The lessons' log lines; `make multinode` prefixes each node's output with "[nodeN] ". Rank 0, each epoch:
 NODE = r"^(?:\[\w+\] )?"
 EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
-FINAL_RE = re.compile(NODE + r"final weights sha256 ([0-9a-f]+)(?: identical on (\d+) ranks)?$", re.M)
-HOSTS_RE = re.compile(NODE + r"world_size (\d+) across (\d+) hosts? \(([^)]+)\): (.*)$", re.M)
+# rank 0 at the end of a DDP run
+FINAL_RE = re.compile(NODE + r"weights identical on (\d+) of (\d+) ranks$", re.M)
+# every DDP process at its start; multinode.py adds its place: local rank, node and host. Not anchored: two
+# processes printing at once can put one's line break after the other's line.
+RANK_RE = re.compile(
+    r"\[rank (\d+)/(\d+)\] ([^,\s]+), ([a-z]+)(?:, local rank (\d+)/(\d+) on node (\d+) \(([^)\s]+)\))?"
+)
 
 
 # The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that
@@ -53,7 +61,7 @@ def run(cmd, *, timeout, check=True, env=None, **kwargs):
 
 
 class TrainLog:
-    """What rank 0 printed: per-epoch losses, world size, the final weight checksum, host placement."""
+    """What the processes printed: losses per epoch, world size, backend, where ranks ran, the final check."""
 
     def __init__(self, text):
         self.text = text
@@ -62,12 +70,13 @@ class TrainLog:
         self.losses = [float(e[2]) for e in epochs]
         self.world_size = int(epochs[-1][3]) if epochs else None
         final = FINAL_RE.search(text)
-        self.checksum = final.group(1) if final else None
-        # a single process prints no rank count: it is trivially in sync with itself
-        self.ranks_in_sync = int(final.group(2) or 1) if final else None
-        hosts = HOSTS_RE.search(text)
-        self.num_hosts = int(hosts.group(2)) if hosts else None
-        self.backend = hosts.group(3) if hosts else None  # gloo or nccl
+        # a single process prints no final check: it is trivially in sync with itself
+        self.ranks_in_sync = int(final.group(1)) if final else (1 if epochs else None)
+        # rank -> (device, backend, local rank, local world size, node, host); the last start counts
+        self.ranks = {int(m[0]): (m[2], m[3], *m[4:]) for m in RANK_RE.findall(text)}
+        self.backend = next(iter(self.ranks.values()))[1] if self.ranks else None  # gloo or nccl
+        hosts = {place[5] for place in self.ranks.values() if place[5]}
+        self.num_hosts = len(hosts) or None  # multinode.py names its hosts
 
     def assert_trained(self, world_size, factor=2.0):
         assert self.losses, f"no epoch lines in output:\n{self.text[-3000:]}"
@@ -87,18 +96,7 @@ def need(available, reason, require_var):
 
 def example_cmd(name, *args, nproc=2, script=None):
     """The command that starts an example the way it is meant to be started (plain, spawn or torchrun)."""
-    script = script or EXAMPLES / f"{name}.py"
-    if name == "single_gpu":
-        return [PYTHON, script, *args]
-    if name == "multigpu":
-        return [PYTHON, script, *args, "--nproc", str(nproc)]
-    return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", script, *args]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return steps.command(name, args, nproc=nproc, script=script, root=REPO)[0]
 
 
 def load_snapshot(path):

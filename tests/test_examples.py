@@ -2,10 +2,11 @@
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
-from conftest import EXAMPLES, REPO, VENV, TrainLog, example_cmd, load_snapshot, run
+from conftest import EXAMPLES, REPO, VENV, TrainLog, example_cmd, load_snapshot, run, steps
 
 # Per-process batch size and world size of the DDP runs; single_gpu gets their product as its batch.
 BATCH, NPROC = 32, 2
@@ -43,6 +44,8 @@ def test_trains_from_a_lone_copy(runs, name):
     result.log.assert_trained(world_size, factor=10)
     assert result.log.epochs == list(range(1, EPOCHS + 1))
     assert result.log.backend == (None if name == "single_gpu" else "gloo")  # no GPU visible: gloo
+    if name != "single_gpu":  # every process announced itself
+        assert sorted(result.log.ranks) == list(range(NPROC))
     # Only what the run was asked to write: no stray temporary snapshot files.
     written = sorted(p.name for p in result.folder.iterdir())
     assert written == sorted([f"{name}.py", "metrics.jsonl", f"{name}_snapshot.pt"])
@@ -59,6 +62,7 @@ def test_metrics_and_snapshot_contract(runs, name):
         assert record["loss"] == pytest.approx(printed, rel=1e-5)
     snapshot = load_snapshot(result.snapshot)
     assert snapshot["EPOCHS_RUN"] == EPOCHS
+    assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "EPOCHS_RUN"}
     assert set(snapshot["MODEL_STATE"]) == {"weight", "bias"}  # the unwrapped model: no "module." prefix
     assert snapshot["OPTIMIZER_STATE"]["state"], "optimizer state (momentum) is saved"
 
@@ -79,13 +83,15 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
     first = run(example_cmd(name, 2, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(first.stdout).epochs == [1, 2]
     second = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
-    assert f"resuming from {name}_snapshot.pt at epoch 3" in second.stdout
+    assert f"resuming from {name}_snapshot.pt: 2 epochs already run" in second.stdout
     assert TrainLog(second.stdout).epochs == [3, 4], "the saved epoch is not run again"
+    assert TrainLog(second.stdout).losses == runs[name].log.losses[2:]
     resumed = load_snapshot(tmp_path / f"{name}_snapshot.pt")
     uninterrupted = load_snapshot(runs[name].snapshot)
-    for key, tensor in uninterrupted["MODEL_STATE"].items():
-        assert torch.equal(resumed["MODEL_STATE"][key], tensor), key
-    assert TrainLog(second.stdout).checksum == runs[name].log.checksum
+    for part in ("MODEL_STATE", "OPTIMIZER_STATE"):  # bit for bit, momentum buffers included
+        torch.testing.assert_close(resumed[part], uninterrupted[part], rtol=0, atol=0)
+    third = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
+    assert TrainLog(third.stdout).epochs == [], "a finished run trains nothing more"
 
 
 def test_make_multinode_trains_on_two_local_nodes(tmp_path):
@@ -93,4 +99,25 @@ def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     proc = run([*make, "ARGS=--dataset_size 512"], timeout=300)
     log = TrainLog(proc.stdout)
     log.assert_trained(world_size=4)
+    # global ranks 0-3; each node numbers its own processes 0-1; node 0 holds global ranks 0 and 1
+    places = {rank: (local, node) for rank, (_, _, local, _, node, _) in log.ranks.items()}
+    assert places == {0: ("0", "0"), 1: ("1", "0"), 2: ("0", "1"), 3: ("1", "1")}, proc.stdout[-3000:]
     assert (tmp_path / "multinode" / "snapshot.pt").exists()
+
+
+def test_multinode_refuses_nodes_that_see_different_snapshots(tmp_path):
+    """Node 0 finds a snapshot, node 1 (another folder: no shared storage) none: stop, do not train apart."""
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+    run(example_cmd("single_gpu", 1, 1, "--snapshot_path", "snap.pt"), timeout=300, cwd=tmp_path / "a")
+    nodes = steps.command("multinode", [2, 1, "--snapshot_path", "snap.pt"], nproc=1, root=REPO)
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path / node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for cmd, node in zip(nodes, ("a", "b"), strict=True)
+    ]
+    out = "".join(proc.communicate(timeout=300)[0] for proc in procs)
+    assert all(proc.returncode for proc in procs), out[-3000:]
+    assert "the nodes found different snapshots at snap.pt" in out, out[-3000:]
+    assert not (tmp_path / "b" / "snap.pt").exists() and "epoch 2/2" not in out
