@@ -182,6 +182,6 @@ if __name__ == "__main__":
     check_args(parser, args)
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
-    if torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
+    if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

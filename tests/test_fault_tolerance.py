@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import (
     EXAMPLES,
     GPU_ENV,
@@ -70,11 +71,11 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
     finally:
         agent.kill()
     assert agent.returncode == 0, out[-4000:]
-    assert "resuming from multigpu_torchrun_snapshot.pt at epoch" in out, out[-4000:]
+    assert "resuming from multigpu_torchrun_snapshot.pt:" in out, out[-4000:]
     resumed = load_snapshot(tmp_path / "multigpu_torchrun_snapshot.pt")
     assert resumed["EPOCHS_RUN"] == 6
-    for key, tensor in expected["MODEL_STATE"].items():
-        assert resumed["MODEL_STATE"][key].equal(tensor), key
+    for part in ("MODEL_STATE", "OPTIMIZER_STATE"):  # bit for bit
+        torch.testing.assert_close(resumed[part], expected[part], rtol=0, atol=0)
     epochs = [json.loads(line)["epoch"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     # the epoch cut short is run again from its start; it was never logged, so every epoch appears once
     assert sorted(set(epochs)) == [1, 2, 3, 4, 5, 6] and epochs[-1] == 6, epochs
@@ -90,7 +91,7 @@ def test_spawn_names_a_port_that_is_already_taken(tmp_path):
         cmd = [PYTHON, EXAMPLES / "multigpu.py", 1, 1]
         proc = run(cmd, env={"MASTER_PORT": str(port)}, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode != 0
-    assert f"MASTER_PORT {port} is already in use" in proc.stdout, proc.stdout
+    assert f"port: {port}" in proc.stdout and "address already in use" in proc.stdout, proc.stdout[-3000:]
     assert not list(tmp_path.iterdir())
 
 
@@ -109,9 +110,7 @@ def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, tw
     proc = run(cmd, env={"MASTER_ADDR": "b"}, timeout=240, check=False, cwd=tmp_path)
     seconds = time.monotonic() - start
     assert proc.returncode != 0
-    assert "could not join the process group at b:" in proc.stdout, proc.stdout[-3000:]
-    assert "within 5 s" in proc.stdout and "Usual causes" in proc.stdout
-    assert "Traceback" not in proc.stdout
+    assert re.search(r"timed out .* to connect to \(b, \d+\)", proc.stdout), proc.stdout[-3000:]
     assert seconds < 120, f"took {seconds:.0f} s with a 5 s timeout"  # bounded by it, not by the test's limit
 
 
@@ -167,29 +166,21 @@ torch.save = save
 """
 
 
-def run_with_slow_save(tmp_path, name, seconds, *args):
-    """One epoch of an example whose snapshot write takes `seconds` longer: meanwhile the other rank waits in
-    the final collective. sitecustomize slows torch.save in every process, the spawned ones included."""
+def run_with_slow_save(tmp_path, seconds, *args):
+    """One epoch of multigpu.py whose snapshot write takes `seconds` longer: meanwhile the other rank waits
+    in the final collective. sitecustomize slows torch.save in every process, the spawned ones included."""
     (tmp_path / "sitecustomize.py").write_text(SLOW_SAVE)
     env = {"PYTHONPATH": str(tmp_path), "SLOW_SAVE": str(seconds)}
-    return run(example_cmd(name, 1, 1, *args), timeout=300, check=False, cwd=tmp_path, env=env)
+    return run(example_cmd("multigpu", 1, 1, *args), timeout=300, check=False, cwd=tmp_path, env=env)
 
 
-@pytest.mark.parametrize("name", ["multigpu", "multigpu_torchrun"])
-def test_a_slow_rank_outlasting_the_join_timeout_does_not_fail_the_run(tmp_path, name):
-    # --timeout bounds joining only: rank 0 saving for longer than that must not abort the others' wait
-    proc = run_with_slow_save(tmp_path, name, 25, "--timeout", 20)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert TrainLog(proc.stdout).ranks_in_sync == 2
-
-
-def test_collective_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
-    proc = run_with_slow_save(tmp_path, "multigpu_torchrun", 60, "--collective_timeout", 5)
+def test_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
+    proc = run_with_slow_save(tmp_path, 60, "--timeout", 5)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "Timed out" in proc.stdout or "timed out" in proc.stdout, proc.stdout[-3000:]
 
 
-@pytest.mark.parametrize("path", ["compose/compose.yaml", "Makefile", "examples/slurm/sbatch_run.sh"])
+@pytest.mark.parametrize("path", ["compose/compose.yaml", "tools/steps.py", "examples/slurm/sbatch_run.sh"])
 def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
     """A node that never comes: join_timeout; an endpoint that never answers: read_timeout (torchrun retries
     once within it, about 1.5 times in all). torchrun's own defaults are 600 s and 60 s."""

@@ -1,20 +1,12 @@
 """Snapshots survive crashes while writing, and a bad snapshot stops the run without being overwritten."""
 
-import importlib.util
 import io
 import os
 import signal
 
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, example_cmd, load_snapshot, run
-
-
-def load_example(name="single_gpu"):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import example_cmd, load_snapshot, run
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +43,7 @@ def test_a_bad_snapshot_stops_the_run_and_is_left_untouched(good_snapshot, tmp_p
     before = path.read_bytes()
     args = [3, 1, "--snapshot_path", path, "--dataset_size", 64]
     if workload == "vision":
-        args += ["--workload", "vision", "--image_size", 8]
+        args += ["--workload", "vision"]
     # torch.load's own default would run the pickle's code under this variable: only weights_only=True, passed
     # by the example itself, refuses it (the shared snapshots block is the same in every example)
     env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
@@ -63,48 +55,36 @@ def test_a_bad_snapshot_stops_the_run_and_is_left_untouched(good_snapshot, tmp_p
     assert not (tmp_path / "pwned").exists(), "loading must not run code"
 
 
-def test_a_failure_in_the_middle_of_a_write_keeps_the_previous_snapshot(tmp_path, monkeypatch):
-    example = load_example()
-    model = torch.nn.Linear(20, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = tmp_path / "snap.pt"
-    example.save_snapshot(path, model, optimizer, 1, "tiny")
+# sitecustomize for the example's process: its second torch.save writes half a file, then fails or dies
+HALF_A_SAVE = """
+import os, signal, torch
+_save, _calls = torch.save, []
 
-    def half_a_save(obj, f):
-        f.write(b"PK\x03\x04 half a zip file")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(example.torch, "save", half_a_save)
-    with pytest.raises(OSError, match="disk full"):
-        example.save_snapshot(path, model, optimizer, 2, "tiny")
-    monkeypatch.undo()
-    assert example.load_snapshot(path, model, optimizer, "cpu", "tiny") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.pt"], "no temporary file is left behind"
-
-
-KILLED_MID_WRITE = """
-import importlib.util, os, signal, sys, torch
-spec = importlib.util.spec_from_file_location("example", sys.argv[1])
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
-model = torch.nn.Linear(20, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-example.save_snapshot(sys.argv[2], model, optimizer, 1, "tiny")
-
-def half_then_die(obj, f):
+def save(obj, f, *args, **kwargs):
+    _calls.append(1)
+    if len(_calls) < 2:
+        return _save(obj, f, *args, **kwargs)
     f.write(b"PK\\x03\\x04 the first half of a zip file")
     f.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ["HOW"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError("disk full")
 
-example.torch.save = half_then_die
-example.save_snapshot(sys.argv[2], model, optimizer, 2, "tiny")
+torch.save = save
 """
 
 
-def test_a_process_killed_in_the_middle_of_a_write_leaves_the_previous_snapshot(tmp_path):
-    path = tmp_path / "snap.pt"
-    proc = run([PYTHON, "-c", KILLED_MID_WRITE, EXAMPLES / "single_gpu.py", path], timeout=120, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "snap.pt"]
-    assert len(leftovers) == 1 and leftovers[0].startswith("snap.pt.tmp."), "killed while writing"
-    assert load_snapshot(path)["EPOCHS_RUN"] == 1
+@pytest.mark.parametrize("how", ["error", "kill"])
+def test_a_write_cut_short_keeps_the_previous_snapshot(tmp_path, how):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(HALF_A_SAVE)
+    env = {"PYTHONPATH": str(tmp_path / "site"), "HOW": how}
+    cmd = example_cmd("single_gpu", 2, 1, "--dataset_size", 64, "--snapshot_path", "snap.pt")
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=env)
+    assert proc.returncode == (-signal.SIGKILL if how == "kill" else 1), proc.stdout[-3000:]
+    assert load_snapshot(tmp_path / "snap.pt")["EPOCHS_RUN"] == 1, "the first epoch's snapshot is whole"
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("site", "snap.pt")]
+    assert all(name.startswith("snap.pt.tmp.") for name in leftovers), leftovers  # never the snapshot
+    resumed = run(cmd, timeout=300, cwd=tmp_path)
+    assert "resuming from snap.pt: 1 epochs already run" in resumed.stdout
+    assert load_snapshot(tmp_path / "snap.pt")["EPOCHS_RUN"] == 2
