@@ -227,48 +227,49 @@ class Trainer:
 
     def train(self):
         a = self.args
+        params, dtype = parameter_count(self.raw) / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
-            f"model {a.model}: {parameter_count(self.raw) / 1e6:.2f}M parameters, vocabulary {len(self.vocab)}, "
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
             f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
-            f"{str(self.dtype).removeprefix('torch.')} | global batch {self.global_batch} x {a.block_size} "
-            f"tokens"
+            f"{dtype} | global batch {self.global_batch} x {a.block_size} tokens"
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
-        interval_loss, interval_steps, started = torch.zeros((), device=self.device), 0, time.perf_counter()
+        loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < a.max_steps:
-            interval_loss += self.train_step()
-            interval_steps += 1
-            if self.step % a.log_every == 0 or self.step == a.max_steps:
-                loss = self.mean_over_ranks(interval_loss / interval_steps)  # also waits for the device
-                seconds = time.perf_counter() - started
-                tokens_per_s = interval_steps * self.global_batch * a.block_size / seconds
-                mfu = (
-                    None
-                    if self.peak is None
-                    else tokens_per_s / self.world * self.flops_per_token / self.peak
-                )
-                self.log(
-                    f"step {self.step}/{a.max_steps} | loss {loss:.4f} | lr {self.lr_at(self.step - 1):.2e} | "
-                    f"{seconds / interval_steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
-                    f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
-                )
-                fields = dict(
-                    step=self.step, loss=loss, lr=self.lr_at(self.step - 1), tokens_per_s=tokens_per_s
-                )
-                fields.update(step_ms=seconds / interval_steps * 1000, world_size=self.world)
-                self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
-                interval_loss.zero_()
-                interval_steps = 0
-            if self.step % a.eval_every == 0 or self.step == a.max_steps:
+            loss_sum += self.train_step()
+            steps += 1
+            last = self.step == a.max_steps
+            if self.step % a.log_every == 0 or last:
+                loss = self.mean_over_ranks(loss_sum / steps)  # also waits for the device to finish
+                self.log_interval(loss, steps, time.perf_counter() - clock)
+                loss_sum.zero_()
+                steps = 0
+            paused = time.perf_counter()  # evaluation and snapshots stay out of the throughput
+            if self.step % a.eval_every == 0 or last:
                 val_loss = self.evaluate()
                 self.log(f"step {self.step} | val loss {val_loss:.4f}")
                 self.record(step=self.step, val_loss=val_loss)
-            if self.step % a.save_every == 0 or self.step == a.max_steps:
+            if self.step % a.save_every == 0 or last:
                 self.save()
                 self.log(f"saved {a.snapshot_path} at step {self.step}")
-            if self.step % a.log_every == 0:
-                started = time.perf_counter()  # evaluation and saving stay out of the throughput
+            clock += time.perf_counter() - paused
+            if steps == 0:
+                clock = time.perf_counter()
         self.finish()
+
+    def log_interval(self, loss, steps, seconds):
+        """One line (and one metrics record) for the steps since the last one, nanoGPT style."""
+        a, lr = self.args, self.lr_at(self.step - 1)
+        tokens_per_s = steps * self.global_batch * a.block_size / seconds
+        mfu = None if self.peak is None else tokens_per_s / self.world * self.flops_per_token / self.peak
+        self.log(
+            f"step {self.step}/{a.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
+            f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+        )
+        fields = dict(step=self.step, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
+        fields.update(step_ms=seconds / steps * 1000, world_size=self.world)
+        self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
 
     def finish(self):
         digests = all_ranks(weights_sha256(self.raw))
