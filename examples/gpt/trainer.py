@@ -216,6 +216,7 @@ class Trainer:
 
     def record(self, **fields):
         if self.rank == 0 and self.args.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.metrics_path)), exist_ok=True)
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(fields) + "\n")
 
