@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, free_port, load_snapshot, run
+from conftest import EXAMPLES, GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, free_port, load_snapshot, needs_gpu, run
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
@@ -134,6 +134,16 @@ def test_metrics_file_holds_one_record_per_log_line_and_evaluation(ddp2):
         assert "mfu" not in r  # no known peak on a CPU
     assert [r["step"] for r in records if "val_loss" in r] == [30, 60]
     assert "sample:" in ddp2[1]
+
+
+@needs_gpu
+def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
+    args = ["--max_steps", 20, "--batch_size", 8, "--metrics_path", "m.jsonl", "--peak_tflops", 100]
+    proc = train(tmp_path, cache, *args, nproc=min(2, GPUS), env=GPU_ENV)
+    assert "on cuda, bfloat16" in proc.stdout or "on cuda, float16" in proc.stdout, proc.stdout[-2000:]
+    logs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] < 1 for r in logs if "loss" in r)
+    assert logs[-1]["val_loss"] < logs[0]["loss"]
 
 
 # ---- resume -----------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ def setup_processes():
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls (--dtype fp32) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
     if "WORLD_SIZE" in os.environ:
