@@ -110,7 +110,7 @@ def parse_args(argv=None):
         (args.decay_steps > 0, f"--decay_steps must be positive, got {args.decay_steps}"),
         (args.weight_decay >= 0, f"--weight_decay must be 0 or more, got {args.weight_decay}"),
         (args.grad_clip >= 0, f"--grad_clip must be 0 or more, got {args.grad_clip}"),
-        (args.seed >= 0, f"--seed must be 0 or more, got {args.seed}"),
+        (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
         (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
         (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
