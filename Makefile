@@ -134,6 +134,21 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
 # ==== end benchmarks =====================================================================================
 
+# ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
+# make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
+# make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
+GPT_ARGS ?=
+GPT_BENCH_ARGS ?=
+.PHONY: gpt bench-gpt
+
+gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
+	  --snapshot_path $(RUNS)/gpt/snapshot.pt --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
+
+bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
+	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+# ==== end GPT ============================================================================================
+
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
 

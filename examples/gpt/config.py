@@ -1,0 +1,122 @@
+"""Command line and size presets. Preset values are defaults: any option given on the command line wins."""
+
+import argparse
+import os
+
+import torch
+
+# Model shape and the training settings that suit it.
+PRESETS = {
+    # about 0.8M parameters: a few thousand steps of this learn Python's look on two CPU cores
+    "cpu": dict(
+        n_layer=4, n_head=4, n_embd=128, block_size=128, dropout=0.0, batch_size=16, lr=1e-3,
+        warmup_steps=20, max_steps=300, eval_every=100, eval_samples=256, log_every=10,
+    ),
+    # about 10.7M parameters, one GPU for minutes
+    "mini": dict(
+        n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.1, batch_size=64, lr=1e-3,
+        warmup_steps=100, max_steps=3000, eval_every=250, eval_samples=2048, log_every=10,
+    ),
+    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024): 124M parameters with GPT-2's
+    # 50257-token vocabulary, 85M with a character vocabulary
+    "gpt2": dict(
+        n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, batch_size=16, lr=6e-4,
+        warmup_steps=200, max_steps=2000, eval_every=250, eval_samples=1024, log_every=10,
+    ),
+}  # fmt: skip
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
+POSITIVE = (
+    "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
+    "eval_samples", "log_every", "grad_accum", "save_every", "timeout",
+)  # fmt: skip
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description="Train a character-level GPT, alone or under torchrun (DDP).")
+    p.add_argument("--model", choices=PRESETS, help="size preset (default: gpt2 with a GPU, cpu without one)")
+    p.add_argument("--data", default="stdlib", help="stdlib (default), a UTF-8 text file, or an http(s) URL")
+    p.add_argument(
+        "--cache_dir", default=default_cache_dir(), help="built and downloaded corpora (%(default)s)"
+    )
+    p.add_argument("--timeout", type=float, default=60, help="seconds to wait for a download or a lock (60)")
+    group = p.add_argument_group("model shape (default: the preset's)")
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        group.add_argument(f"--{key}", type=int)
+    group.add_argument("--dropout", type=float)
+    group = p.add_argument_group("training (default: the preset's)")
+    group.add_argument("--max_steps", type=int, help="optimizer steps in all")
+    group.add_argument("--batch_size", type=int, help="sequences per micro-batch per process")
+    group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step, added up (1)")
+    group.add_argument("--lr", type=float, help="peak learning rate")
+    group.add_argument("--min_lr", type=float, help="the cosine ends here (default lr / 10)")
+    group.add_argument("--warmup_steps", type=int, help="linear warmup from lr / warmup_steps to lr")
+    group.add_argument(
+        "--decay_steps", type=int, help="the cosine reaches min_lr at this step (default max_steps)"
+    )
+    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW, on weight matrices (0.1)")
+    group.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0: none (1.0)")
+    group.add_argument("--seed", type=int, default=1337, help="initial weights, batches, dropout (1337)")
+    group = p.add_argument_group("evaluation, logging, snapshots")
+    group.add_argument("--eval_every", type=int, help="validation loss every this many steps, and at the end")
+    group.add_argument("--eval_samples", type=int, help="validation sequences per evaluation")
+    group.add_argument("--log_every", type=int, help="a log line every this many steps")
+    group.add_argument("--metrics_path", help="append one JSON line per log line and per evaluation")
+    group.add_argument(
+        "--snapshot_path", default="gpt_snapshot.pt", help="resume from, save to (%(default)s)"
+    )
+    group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
+    group.add_argument("--sample_chars", type=int, default=200, help="characters generated at the end (200)")
+    group = p.add_argument_group("speed")
+    group.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+        help="autocast type; auto: bf16 on GPUs that have it, else fp16 with a gradient scaler; fp32 on CPU",
+    )  # fmt: skip
+    group.add_argument("--compile", action="store_true", help="torch.compile the model")
+    group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
+    group.add_argument("--parallel", choices=["ddp"], default="ddp", help="how processes share the work")
+    group.add_argument(
+        "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
+    )
+    return p
+
+
+def default_cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ddp-examples", "gpt")
+
+
+def parse_args(argv=None):
+    """Parse, fill in the preset, reject nonsense with an argparse message and exit status 2."""
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.model = args.model or ("gpt2" if cuda else "cpu")
+    for key, value in PRESETS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in POSITIVE:
+        if getattr(args, key) <= 0:
+            parser.error(f"--{key} must be positive, got {getattr(args, key)}")
+    args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    checks = [
+        (
+            args.n_embd % args.n_head == 0,
+            f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
+        ),
+        (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
+        (0 <= args.min_lr <= args.lr, f"--min_lr must be in [0, lr={args.lr}], got {args.min_lr}"),
+        (args.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {args.warmup_steps}"),
+        (args.decay_steps > 0, f"--decay_steps must be positive, got {args.decay_steps}"),
+        (args.weight_decay >= 0, f"--weight_decay must be 0 or more, got {args.weight_decay}"),
+        (args.grad_clip >= 0, f"--grad_clip must be 0 or more, got {args.grad_clip}"),
+        (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
+        (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
+        (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
+        (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
+        (not os.path.isdir(args.snapshot_path), f"--snapshot_path {args.snapshot_path} is a directory"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    return parser, args

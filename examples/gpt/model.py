@@ -1,0 +1,141 @@
+"""A decoder-only GPT: token and position embeddings, then pre-norm blocks of causal self-attention and an
+MLP, then a final norm and an output layer that shares its weight with the token embedding."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 128  # the longest context the model sees
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True  # in the linear layers and layer norms
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        # (batch, length, 3 * width) -> three tensors of (batch, heads, length, head width)
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        # is_causal: position t attends to positions <= t only, so later tokens never change earlier outputs
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(batch, length, width)
+        return self.proj_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
+        self.apply(self._init_weights)
+        # the projections that add into the residual stream start smaller, by depth (as in GPT-2)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        """Logits (batch, length, vocab) and, with targets, the mean cross-entropy over all positions."""
+        length = idx.shape[1]
+        if length > self.cfg.block_size:
+            raise ValueError(f"sequence of {length} tokens, longer than block_size {self.cfg.block_size}")
+        pos = torch.arange(length, device=idx.device)
+        x = self.dropout(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens, *, temperature=0.8, top_k=None, generator=None):
+        """Append new_tokens sampled one at a time; the context is cut to the last block_size tokens."""
+        for _ in range(new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size :])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            # sampled on the CPU with a seeded generator, so the text is the same on every device
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def parameter_count(model, non_embedding=True):
+    """Parameters, without the position embedding by default (the token embedding is also the head)."""
+    count = sum(p.numel() for p in model.parameters())
+    return count - model.pos_emb.weight.numel() if non_embedding else count
+
+
+def flops_per_token(model):
+    """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and mixing,
+    12 * layers * width * context (heads * head width = width)."""
+    cfg = model.cfg
+    return 6 * parameter_count(model) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def optimizer_groups(model, weight_decay):
+    """AdamW groups: weight decay on the matrices of linear layers; none on biases, norms and embeddings."""
+    decay, no_decay = [], []
+    embeddings = {id(model.tok_emb.weight), id(model.pos_emb.weight)}
+    for param in model.parameters():
+        (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,68 @@
+"""Train a character-level GPT with DDP: one process, or one per GPU (or 2 on CPU) under torchrun.
+
+    python examples/gpt/train.py                                  # one process, the default corpus
+    torchrun --standalone --nproc-per-node=2 examples/gpt/train.py --max_steps 500
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
+        examples/gpt/train.py                                     # restarted processes resume
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        examples/gpt/train.py --model gpt2 --snapshot_path /shared/gpt.pt
+
+The folder is self-contained: copy it, it needs torch alone. Run with --help for every option.
+"""
+
+import os
+import sys
+
+import checkpoint
+import data
+import torch
+import torch.distributed as dist
+from config import parse_args
+from trainer import Trainer, setup_processes, snapshot_config
+
+
+def main():
+    parser, args = parse_args()
+    gpus, local_procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpus and local_procs > gpus:
+        parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
+    # Everything that can be wrong with the input is found here, in every process, before any process
+    # group forms or any file is written.
+    try:
+        corpus = data.load_corpus(args.data, args.cache_dir, args.timeout)
+        data.split(corpus[0], args.block_size)
+    except data.DataError as exc:
+        parser.error(str(exc))
+    snapshot = None
+    if os.path.exists(args.snapshot_path):
+        try:
+            snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
+        except checkpoint.SnapshotError as exc:
+            sys.exit(f"error: {exc}")
+    rank, world, device = setup_processes()
+    steps = set(_gather(-1 if snapshot is None else int(snapshot["step"])))
+    if len(steps) > 1:  # a node without the file would start over while the others resume
+        sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
+                 "--snapshot_path on a filesystem that every node shares")  # fmt: skip
+    if snapshot is not None and rank == 0:
+        print(f"resuming from {args.snapshot_path} at step {snapshot['step']}", flush=True)
+    if snapshot is not None and snapshot["step"] >= args.max_steps:
+        if rank == 0:
+            print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
+                  "raise --max_steps to go on", flush=True)  # fmt: skip
+    else:
+        Trainer(args, corpus, snapshot, rank, world, device).train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _gather(value):
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+if __name__ == "__main__":
+    main()

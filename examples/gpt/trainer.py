@@ -1,0 +1,308 @@
+"""The training loop: processes, parallelism, precision, the step with accumulation, evaluation, snapshots."""
+
+import ctypes
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import checkpoint
+import data
+import torch
+import torch.distributed as dist
+from config import MODEL_KEYS
+from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12)]
+
+
+def setup_processes():
+    """(rank, world size, device). Under torchrun: join the process group (NCCL on GPUs, else gloo)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls (--dtype fp32) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def parallelize(model, args, device):
+    """Wrap the model for data parallelism: DDP averages gradients over all processes in backward."""
+    if not dist.is_initialized():
+        return model
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.comm_hook:  # each gradient bucket travels in 16 bits and is cast back to float32
+        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
+    return model
+
+
+def resolve_dtype(name, device):
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def peak_flops(args, device):
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    return None
+
+
+def weights_sha256(model):
+    digest = hashlib.sha256()
+    for tensor in model.parameters():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return digest.hexdigest()[:12]
+
+
+def all_ranks(obj):
+    """obj from every process, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+class Trainer:
+    def __init__(self, args, corpus, snapshot, rank, world, device):
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        ids, self.vocab = corpus
+        train, val = data.split(ids, args.block_size)
+        # the whole corpus lives on the device; batches are indexed there, not gathered sample by sample
+        self.train_data, self.val_data = train.to(device), val.to(device)
+        self.unigram = data.unigram_entropy(train, len(self.vocab))
+        self.global_batch = args.batch_size * args.grad_accum * world
+        torch.manual_seed(args.seed)  # the same initial weights in every process
+        self.raw = GPT(model_config(args, len(self.vocab))).to(device)
+        self.dtype = resolve_dtype(args.dtype, device)
+        self.optimizer = torch.optim.AdamW(
+            optimizer_groups(self.raw, args.weight_decay),
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            fused=device.type == "cuda",
+        )
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
+        self.step = 0
+        torch.manual_seed(args.seed + 1 + rank)  # dropout: a different stream in every process
+        if snapshot is not None:
+            self.restore(snapshot)
+        model = torch.compile(self.raw) if args.compile else self.raw
+        self.model = parallelize(model, args, device)
+        self.flops_per_token = flops_per_token(self.raw)
+        self.peak = peak_flops(args, device)
+
+    # ---- snapshots -----------------------------------------------------------------------------------
+    def state(self):
+        """Everything a resumed run needs to continue exactly; the data position is the step itself."""
+        rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
+        return {
+            "config": snapshot_config(self.args, self.vocab),
+            "vocab": self.vocab,
+            "model": self.raw.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "seed": self.args.seed,
+            "global_batch": self.global_batch,
+            "rng": rng,  # one entry per process
+        }
+
+    def _cuda_rng(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    def restore(self, snapshot):
+        self.raw.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.scaler.load_state_dict(snapshot["scaler"])
+        self.step = int(snapshot["step"])
+        rng = snapshot["rng"]
+        if len(rng) == self.world:  # same number of processes: each continues its own dropout stream
+            torch.set_rng_state(rng[self.rank]["cpu"])
+            if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
+        else:
+            torch.manual_seed(self.args.seed + 1 + self.rank + self.step * self.world)
+        if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
+            self.log(
+                f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
+                f"{snapshot['global_batch']}; this run has {self.args.seed} and {self.global_batch}"
+            )
+
+    def save(self):
+        state = self.state()  # a collective: every process takes part
+        if self.rank == 0:
+            checkpoint.save(self.args.snapshot_path, state)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def lr_at(self, step):
+        """Linear warmup, then a cosine from lr down to min_lr at decay_steps, then min_lr."""
+        a = self.args
+        if step < a.warmup_steps:
+            return a.lr * (step + 1) / a.warmup_steps
+        if step >= a.decay_steps:
+            return a.min_lr
+        progress = (step - a.warmup_steps) / max(1, a.decay_steps - a.warmup_steps)
+        return a.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (a.lr - a.min_lr)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def train_step(self):
+        a = self.args
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        offsets = data.step_offsets(a.seed, self.step, self.global_batch, len(self.train_data), a.block_size)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(a.grad_accum):
+            # this process's slice of the step's global batch
+            start = (self.rank * a.grad_accum + micro) * a.batch_size
+            x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
+            last = micro == a.grad_accum - 1
+            # no_sync: gradients add up locally; only the last micro-batch's backward all-reduces them
+            sync = nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    _, loss = self.model(x, y)
+                self.scaler.scale(loss / a.grad_accum).backward()
+            loss_sum += loss.detach()
+        if a.grad_clip:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), a.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum / a.grad_accum
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Mean validation loss over a fixed set of sequences, shared out among all processes."""
+        a = self.args
+        self.model.eval()
+        offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
+        mine = offsets[self.rank :: self.world]
+        for chunk in mine.split(a.batch_size):
+            x, y = data.gather(self.val_data, chunk, a.block_size)
+            with self.autocast():
+                _, loss = self.raw(x, y)
+            totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        self.model.train()
+        return (totals[0] / totals[1]).item()
+
+    # ---- the run -------------------------------------------------------------------------------------
+    def log(self, text):
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def record(self, **fields):
+        if self.rank == 0 and self.args.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.metrics_path)), exist_ok=True)
+            with open(self.args.metrics_path, "a") as f:
+                f.write(json.dumps(fields) + "\n")
+
+    def mean_over_ranks(self, value):
+        if dist.is_initialized():
+            dist.all_reduce(value)
+            value /= self.world
+        return value.item()
+
+    def train(self):
+        a = self.args
+        params, dtype = parameter_count(self.raw) / 1e6, str(self.dtype).removeprefix("torch.")
+        self.log(
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
+            f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
+            f"{dtype} | global batch {self.global_batch} x {a.block_size} tokens"
+        )
+        self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
+        loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
+        while self.step < a.max_steps:
+            loss_sum += self.train_step()
+            steps += 1
+            last = self.step == a.max_steps
+            if self.step % a.log_every == 0 or last:
+                loss = self.mean_over_ranks(loss_sum / steps)  # also waits for the device to finish
+                self.log_interval(loss, steps, time.perf_counter() - clock)
+                loss_sum.zero_()
+                steps = 0
+            paused = time.perf_counter()  # evaluation and snapshots stay out of the throughput
+            if self.step % a.eval_every == 0 or last:
+                val_loss = self.evaluate()
+                self.log(f"step {self.step} | val loss {val_loss:.4f}")
+                self.record(step=self.step, val_loss=val_loss)
+            if self.step % a.save_every == 0 or last:
+                self.save()
+                self.log(f"saved {a.snapshot_path} at step {self.step}")
+            clock += time.perf_counter() - paused
+            if steps == 0:
+                clock = time.perf_counter()
+        self.finish()
+
+    def log_interval(self, loss, steps, seconds):
+        """One line (and one metrics record) for the steps since the last one, nanoGPT style."""
+        a, lr = self.args, self.lr_at(self.step - 1)
+        tokens_per_s = steps * self.global_batch * a.block_size / seconds
+        mfu = None if self.peak is None else tokens_per_s / self.world * self.flops_per_token / self.peak
+        self.log(
+            f"step {self.step}/{a.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
+            f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+        )
+        fields = dict(step=self.step, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
+        fields.update(step_ms=seconds / steps * 1000, world_size=self.world)
+        self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
+
+    def finish(self):
+        digests = all_ranks(weights_sha256(self.raw))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"final weights differ across processes: {digests}")
+        self.log(
+            f"final weights sha256 {digests[0]}"
+            + (f" identical on {self.world} ranks" if self.world > 1 else "")
+        )
+        if self.rank == 0 and self.args.sample_chars:
+            self.log("sample:\n" + self.sample(self.args.sample_chars))
+
+    def sample(self, count):
+        self.raw.eval()
+        start = self.vocab.index("\n") if "\n" in self.vocab else 0
+        idx = torch.tensor([[start]], device=self.device)
+        gen = torch.Generator().manual_seed(self.args.seed)
+        with self.autocast():
+            out = self.raw.generate(idx, count, top_k=40, generator=gen)
+        self.raw.train()
+        return data.decode(out[0, 1:].tolist(), self.vocab)
+
+
+def model_config(args, vocab_size):
+    return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
+
+
+def snapshot_config(args, vocab):
+    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
+    cfg = asdict(model_config(args, len(vocab)))
+    del cfg["dropout"]  # may change between runs
+    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return cfg

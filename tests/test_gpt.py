@@ -1,0 +1,342 @@
+"""The GPT trainer (examples/gpt): causal model, DDP equal to one process, exact resume (also after a
+SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes keep the whole file at a few
+minutes on 2 cores."""
+
+import http.server
+import importlib.util
+import json
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import EXAMPLES, GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, free_port, load_snapshot, needs_gpu, run
+
+GPT = EXAMPLES / "gpt"
+TRAIN = GPT / "train.py"
+TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
+TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
+VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
+
+
+def import_gpt_module(name):
+    sys.path.insert(0, str(GPT))
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpt_{name}", GPT / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(GPT))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One corpus cache for the file: the standard library corpus is built once."""
+    return tmp_path_factory.mktemp("gpt-cache")
+
+
+def train(cwd, cache, *args, nproc=None, timeout=600, check=True, env=None):
+    """train.py alone (1 thread, as each torchrun worker has) or under torchrun, on the tiny model."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
+    cmd += [TRAIN, "--cache_dir", cache, *TINY, *args]
+    return run(cmd, timeout=timeout, cwd=cwd, check=check, env=env)
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].equal(b[key]), key
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
+    model_mod = import_gpt_module("model")
+    torch.manual_seed(0)
+    cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = model_mod.GPT(cfg).eval()
+    idx = torch.randint(50, (3, 16))
+    base, _ = model(idx)
+    for t in (0, 5, 15):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % 50
+        out, _ = model(changed)
+        assert out[:, :t].equal(base[:, :t]), f"a token at {t} changed earlier outputs"
+        assert not torch.allclose(out[:, t], base[:, t]), "the changed position itself must change"
+
+
+# ---- DDP, accumulation, metrics -----------------------------------------------------------------------
+RUN = ["--max_steps", 60, "--save_every", 10, "--metrics_path", "m.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def ddp2(tmp_path_factory, cache):
+    cwd = tmp_path_factory.mktemp("ddp2")
+    proc = train(cwd, cache, *RUN, "--batch_size", 8, nproc=2)
+    return cwd, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    cwd = tmp_path_factory.mktemp("single")
+    proc = train(cwd, cache, *RUN, "--batch_size", 16)
+    return cwd, proc.stdout
+
+
+def test_ddp_on_2_ranks_equals_one_process_with_the_same_global_batch(ddp2, single):
+    ddp = load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"]
+    one = load_snapshot(single[0] / "gpt_snapshot.pt")["model"]
+    assert max_diff(ddp, one) < 1e-4  # float summation order, amplified by Adam: about 4e-5 measured
+    assert "identical on 2 ranks" in ddp2[1], ddp2[1][-2000:]
+
+
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory, cache):
+    cwd = tmp_path_factory.mktemp("accum")
+    train(cwd, cache, *RUN, "--batch_size", 8, "--grad_accum", 2)
+    return cwd
+
+
+def test_gradient_accumulation_equals_the_larger_batch(accum, single, ddp2):
+    accum = load_snapshot(accum / "gpt_snapshot.pt")["model"]
+    assert max_diff(accum, load_snapshot(single[0] / "gpt_snapshot.pt")["model"]) < 1e-4
+    # (g1 + g2) / 2 from DDP and g1 / 2 + g2 / 2 from accumulation are the same floats
+    assert_identical(accum, load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"])
+
+
+def test_loss_falls_well_below_the_unigram_entropy_of_the_default_corpus(tmp_path, cache):
+    proc = train(tmp_path, cache, "--max_steps", 100, "--eval_every", 50, "--batch_size", 16, "--lr", 5e-3)
+    unigram = float(re.search(r"unigram entropy of the training text: ([0-9.]+)", proc.stdout).group(1))
+    assert 2.5 < unigram < 4.5, unigram  # Python source: a few dozen frequent characters
+    val = {int(s): float(v) for s, v in VAL_RE.findall(proc.stdout)}
+    assert val[50] > val[100] and val[100] < unigram - 0.25, (unigram, val)
+
+
+def test_metrics_file_holds_one_record_per_log_line_and_evaluation(ddp2):
+    records = [json.loads(line) for line in (ddp2[0] / "m.jsonl").read_text().splitlines()]
+    logs = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logs] == list(range(5, 61, 5))
+    for r in logs:
+        assert r["tokens_per_s"] > 0 and r["loss"] > 0 and r["world_size"] == 2
+        assert "mfu" not in r  # no known peak on a CPU
+    assert [r["step"] for r in records if "val_loss" in r] == [30, 60]
+    assert "sample:" in ddp2[1]
+
+
+@needs_gpu
+def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
+    args = ["--max_steps", 20, "--batch_size", 8, "--metrics_path", "m.jsonl", "--peak_tflops", 100]
+    proc = train(tmp_path, cache, *args, nproc=min(2, GPUS), env=GPU_ENV)
+    assert "on cuda, bfloat16" in proc.stdout or "on cuda, float16" in proc.stdout, proc.stdout[-2000:]
+    logs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] < 1 for r in logs if "loss" in r)
+    assert logs[-1]["val_loss"] < logs[0]["loss"]
+
+
+# ---- resume -----------------------------------------------------------------------------------------
+def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
+    # dropout on: the random streams must continue exactly too; the cosine ends at step 30 in both runs
+    args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 30, "--save_every", 7]
+    (tmp_path / "full").mkdir()
+    train(tmp_path / "full", cache, *args, "--max_steps", 30)
+    train(tmp_path, cache, *args, "--max_steps", 15)
+    proc = train(tmp_path, cache, *args, "--max_steps", 30)
+    assert "resuming from gpt_snapshot.pt at step 15" in proc.stdout, proc.stdout[-2000:]
+    full, resumed = (
+        load_snapshot(tmp_path / "full" / "gpt_snapshot.pt"),
+        load_snapshot(tmp_path / "gpt_snapshot.pt"),
+    )
+    assert resumed["step"] == 30
+    assert_identical(full["model"], resumed["model"])
+    for a, b in zip(full["optimizer"]["state"].values(), resumed["optimizer"]["state"].values(), strict=True):
+        assert_identical(a, b)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, "--cache_dir", cache]
+    cmd += [*TINY, *RUN, "--batch_size", 8]
+    agent = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # restarted workers must not reuse the agent's store, or gloo dials the old round's ports
+        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    try:
+        deadline = time.monotonic() + 300
+        metrics = tmp_path / "m.jsonl"
+        while not (metrics.exists() and '"step": 15' in metrics.read_text()):  # past the snapshot at 10
+            assert agent.poll() is None, "training ended before the kill"
+            assert time.monotonic() < deadline, "no step 15 within 300 s"
+            time.sleep(0.02)
+        workers = [p for p in psutil.Process(agent.pid).children() if str(TRAIN) in p.cmdline()]
+        assert len(workers) == 2
+        workers[-1].send_signal(signal.SIGKILL)
+        out, _ = agent.communicate(timeout=600)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, out[-4000:]
+    assert re.search(r"resuming from gpt_snapshot.pt at step (1\d|20)$", out, re.M), out[-4000:]
+    resumed = load_snapshot(tmp_path / "gpt_snapshot.pt")
+    assert resumed["step"] == 60
+    assert_identical(load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"], resumed["model"])
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.parametrize("kind", ["other_config", "code"])
+def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, ddp2, kind):
+    path = tmp_path / "gpt_snapshot.pt"
+    if kind == "code":
+        path.write_bytes(pickle.dumps({"config": RunsCode()}))
+        message = "not a plain weights file"
+    else:
+        path.write_bytes((ddp2[0] / "gpt_snapshot.pt").read_bytes())
+        message = "another configuration: n_layer 2 (this run: 3)"
+    before = path.read_bytes()
+    # torch.load's own default made unsafe: only the trainer's weights_only=True stands in the way
+    env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+    proc = train(
+        tmp_path, cache, "--max_steps", 5, "--n_layer", 3, "--metrics_path", "m", check=False, env=env
+    )
+    assert proc.returncode != 0
+    assert message in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_snapshot.pt"]  # no pwned, no metrics
+
+
+# ---- data sources and bad input ----------------------------------------------------------------------
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text((REPO / "tools" / "bench.py").read_text() * 2)
+    return path
+
+
+def test_a_local_text_file_is_a_corpus(tmp_path, cache, text_file):
+    proc = train(tmp_path, cache, "--data", text_file, "--max_steps", 5, "--batch_size", 4)
+    vocab = len(set(text_file.read_text()))
+    assert f"vocabulary {vocab}," in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture
+def http_server(text_file):
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(text_file.parent), **kwargs)
+
+        def log_message(self, *args):
+            requests.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/{text_file.name}", requests, server
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_http_url_is_downloaded_once_and_cached(tmp_path, text_file, http_server):
+    url, requests, server = http_server
+    cache = tmp_path / "cache"
+    args = ["--data", url, "--max_steps", 3, "--batch_size", 4, "--sample_chars", 0]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        train(tmp_path / name, cache, *args)
+        server.shutdown()  # the second run must work from the cache alone
+    assert len(requests) == 1, requests
+    cached = [p for p in cache.iterdir() if p.suffix == ".txt"]
+    assert len(cached) == 1 and cached[0].read_bytes() == text_file.read_bytes()
+
+
+def test_an_unreachable_url_fails_within_the_timeout_and_writes_nothing(tmp_path):
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/corpus.txt"
+        (tmp_path / "run").mkdir()
+        start = time.monotonic()
+        proc = train(tmp_path / "run", tmp_path / "cache", "--data", url, "--timeout", 2, check=False)
+        seconds = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert f"--data {url}: cannot download it within 2 s" in proc.stdout, proc.stdout[-2000:]
+    assert seconds < 60
+    assert not list((tmp_path / "run").iterdir())
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("missing.txt", "--data missing.txt: no such file"),
+        ("short.txt", "is shorter than one sample of block_size + 1 = 65"),
+        (f"http://127.0.0.1:{free_port()}/x.txt", "cannot download it within"),  # nothing listens
+    ],
+)
+def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
+    (tmp_path / "short.txt").write_text("x = 1\n" * 20)
+    proc = train(tmp_path, tmp_path / "cache", "--data", data, "--metrics_path", "m", check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert message in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["short.txt"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max_steps", "0"], "--max_steps must be positive, got 0"),
+        (["--batch_size", "-4"], "--batch_size must be positive, got -4"),
+        (["--grad_accum", "0"], "--grad_accum must be positive, got 0"),
+        (["--n_embd", "30", "--n_head", "4"], "--n_embd 30 is not a multiple of --n_head 4"),
+        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+    ],
+)
+def test_nonsense_numbers_get_an_argparse_error(args, message, capsys):
+    config = import_gpt_module("config")
+    with pytest.raises(SystemExit) as exc:
+        config.parse_args(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
+    proc = run(
+        [PYTHON, TRAIN, "--max_steps", "-1", "--metrics_path", "m"], timeout=120, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 2 and "--max_steps must be positive" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
+
+
+# ---- benchmark --------------------------------------------------------------------------------------
+def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache):
+    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", "--rounds", 1, "--steps", 6, "--log_every", 3]
+    cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "gpt.json", "--"]
+    cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
+    proc = run(cmd, timeout=600)
+    assert "one_process_2_threads" in proc.stdout and "ddp_2_processes_1_thread" in proc.stdout
+    ratio = float(re.search(r"ratio ddp/one \(goal >= 0.95\) ([0-9.]+)", proc.stdout).group(1))
+    report = json.loads((tmp_path / "gpt.json").read_text())
+    assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and ratio > 0
