@@ -69,7 +69,8 @@ def main():
         for rate in order:
             results[rate].append(throughput(f"ddplinkbench{os.getpid()}", rate, env, args.timeout))
             print(f"round {round_ + 1}: {rate}: {results[rate][-1]:.0f} samples/s", flush=True)
-    print(f"\n{args.workload}, {args.nproc}+{args.nproc} processes, {args.epochs} epochs, {args.repeats} rounds")
+    n = args.nproc
+    print(f"\n{args.workload}, {n}+{n} processes, {args.epochs} epochs, {args.repeats} rounds")
     print(f"{'link':>10} {'samples/s':>10} {'vs unshaped':>12}")
     for rate in rates:
         ratio = statistics.mean(s / u for s, u in zip(results[rate], results[UNSHAPED], strict=True))
