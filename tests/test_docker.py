@@ -343,7 +343,6 @@ def test_plain_up_at_the_root_builds_the_image_and_trains(project, compose):
         again = proj("up", timeout=300, check=False)
         assert again.returncode == 0, again.stdout[-3000:]
         assert epochs_in(again.stdout) == [], again.stdout[-3000:]
-        assert proj.snapshot_epochs(SNAPSHOTS["multinode"]) == EPOCHS
     finally:
         proj.down()
         run(["docker", "image", "rm", tag], timeout=120, check=False)
@@ -386,7 +385,7 @@ def test_uneven_nodes_over_a_shaped_link(project, image):
         assert sent and int(sent.group(1)) > 100_000, stats
         says = proj.logs(helper)
         assert "eth0 egress shaped: rate 100mbit" in says, says
-        assert ("delay 5ms" in says) != ("no netem qdisc" in says), says
+        assert ("shaped: rate 100mbit, delay 5ms" in says) != ("no netem qdisc" in says), says
 
 
 @SLOW
