@@ -115,6 +115,16 @@ def test_only_the_shaping_helpers_share_a_nodes_network(compose):
     assert helper["entrypoint"] == ["shape-link", "100mbit", "5ms"]
 
 
+@pytest.mark.parametrize(
+    ("args", "message"), [(["100mb"], "RATE must be"), (["1gbit", "5"], "DELAY must be")]
+)
+def test_a_mistyped_link_setting_is_refused_before_tc_runs(args, message):
+    """Rates in bits only (tc's own mbps means megabytes), delays with a unit: anything else stops the helper
+    with its usage and status 2 before tc runs."""
+    proc = run([REPO / "docker" / "shaper" / "shape-link.sh", *args], timeout=30, check=False)
+    assert proc.returncode == 2 and message in proc.stdout and "usage:" in proc.stdout, proc.stdout
+
+
 def test_plain_up_is_the_cpu_job_at_the_root_and_in_compose_dir(compose):
     """`docker compose up` without -f: at the root and in compose/, the same CPU job in the same project."""
     root = resolved(compose, cwd=REPO)
