@@ -3,8 +3,9 @@
 Real runs (image build, plain `docker compose up` at the root, uneven nodes over a shaped link, the
 accelerate variant, failures) need a Docker daemon; the configuration checks need only the Compose client,
 `docker compose` v2 or later (docker/install-compose.sh installs the pinned one). Both skip when missing,
-unless REQUIRE_DOCKER=1. Budget: configuration checks about 10 s; real runs about 6 min on 2 cores with the
-image cached (a cold image build adds about 8 min), most of it the node-failure test.
+unless REQUIRE_DOCKER=1. Budget: configuration checks under 10 s; real runs under 20 min on 2 cores shared
+with other jobs (19.5 min measured at a load of 7-9; the node-failure test 7 min, plain `up` twice 5 min),
+with the image cached (a cold image build adds about 8 min).
 """
 
 import json
