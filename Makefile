@@ -31,19 +31,25 @@ SHELL := bash
 .PHONY: bench bench-allreduce
 .PHONY: help env single_gpu multigpu torchrun multinode accelerate diff doctor test lint pins clean distclean
 
-# ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose/) ==========
+# ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
 #                                      make image BASE_IMAGE=local/ddp-base:bookworm
-# make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers
+# make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers;
+#   NODE0_NPROC=2 NODE1_NPROC=1 for uneven nodes, LINK_RATE=100mbit [LINK_DELAY=5ms] for a slower link.
+#   They run the Compose project of `docker compose up` (named ddp in compose.yaml): `make two-node-down`
+#   and `docker compose down --volumes` remove the same containers, network and snapshot volume.
 # make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, torchrun, multinode,
 #                                      accelerate) inside $(IMAGE) instead of $(VENV)
 IMAGE ?= ddp-examples:latest
 BASE_IMAGE ?=
 LOCAL_BASE ?= local/ddp-base:bookworm
-COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
-COMPOSE_PROJECT ?= ddp
-COMPOSE_CPU := -f compose/compose.yaml
-COMPOSE_GPU := $(COMPOSE_CPU) -f compose/compose.override.yaml
+COMPOSE ?= docker compose
+COMPOSE_CPU := -f compose.yaml
+COMPOSE_GPU := $(COMPOSE_CPU) -f compose/gpu.yaml
+NODE0_NPROC ?=
+NODE1_NPROC ?=
+LINK_RATE ?=
+LINK_DELAY ?=
 IN_DOCKER ?=
 # A throwaway container of the image on the host network and process table, so that localhost rendezvous
 # works and two containers started alike (make multinode) are told apart by their process ids; RUNS is kept
@@ -58,9 +64,11 @@ ENV :=
 single_gpu multigpu torchrun multinode accelerate: image
 endif
 # $(call two_node,FILES): both nodes to the end; the exit status is node0's. A finished job's containers
-# and volume are removed; a failed job's volume is kept, so the next run resumes from its snapshot.
-two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY); \
-  c="$(COMPOSE) -p $(COMPOSE_PROJECT) $(1)"; \
+# and volume are removed, so the next run starts fresh; a failed job's volume is kept, so the next run
+# resumes from its snapshot. Plain `docker compose up` keeps the volume either way (see docs/docker.md).
+two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
+  $(foreach v,NODE0_NPROC NODE1_NPROC LINK_RATE LINK_DELAY,$(if $($(v)),$(v)=$($(v)))); \
+  c="$(COMPOSE) $(1) $(if $(LINK_RATE)$(LINK_DELAY),--profile shaped)"; \
   if $$c up --abort-on-container-exit --exit-code-from node0; then $$c down --volumes; \
   else status=$$?; $$c down; exit $$status; fi
 .PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
@@ -74,14 +82,14 @@ base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make im
 two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
 	$(call two_node,$(COMPOSE_GPU))
 
-two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each
+two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each (as `docker compose up`)
 	$(call two_node,$(COMPOSE_CPU))
 
 two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
 	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
 
-two-node-down: ## remove the two-node containers, network and snapshot volume
-	$(COMPOSE) -p $(COMPOSE_PROJECT) $(COMPOSE_GPU) down --volumes --remove-orphans
+two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
+	$(COMPOSE) $(COMPOSE_CPU) --profile shaped down --volumes --remove-orphans
 # ==== end Docker and two nodes ===========================================================================
 
 help: ## list the targets

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Make a Docker daemon and docker-compose available on a Debian/Ubuntu machine that has none (CI).
-# Does nothing when `docker info` already answers. Otherwise, as root: installs docker.io,
-# docker-compose (v1) and iptables from the distribution (retried), starts dockerd in the background
-# and waits, bounded, until it answers.
+# Make a Docker daemon and the pinned Compose available on a Debian/Ubuntu machine that has none (CI).
+# Compose: docker/install-compose.sh (the `docker compose` plugin, skipped when already the pinned version).
+# Daemon: nothing to do when `docker info` already answers; otherwise, as root, installs docker.io and
+# iptables from the distribution (retried), starts dockerd in the background and waits, bounded, until it
+# answers.
 #   docker/start-daemon.sh            environment: DOCKERD_WAIT (seconds, default 60),
 #                                     DOCKERD_LOG (default /var/log/dockerd.log)
 set -euo pipefail
@@ -10,13 +11,9 @@ set -euo pipefail
 wait_s=${DOCKERD_WAIT:-60}
 log=${DOCKERD_LOG:-/var/log/dockerd.log}
 
-have_compose() {
-  docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null
-}
-
-if docker info >/dev/null 2>&1 && have_compose; then
+if docker info >/dev/null 2>&1; then
   echo "docker daemon already running"
-  exit 0
+  exec "$(dirname "$0")/install-compose.sh"
 fi
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -26,7 +23,6 @@ fi
 
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
-have_compose || missing+=(docker-compose)
 command -v iptables >/dev/null || missing+=(iptables)
 if [ ${#missing[@]} -gt 0 ]; then
   "$(dirname "$0")/../tools/apt-install.sh" "${missing[@]}"
@@ -46,3 +42,4 @@ if ! docker info >/dev/null 2>&1; then
   done
 fi
 docker version --format 'docker daemon {{.Server.Version}} ready'
+"$(dirname "$0")/install-compose.sh"

@@ -31,6 +31,30 @@ RANK_RE = re.compile(
 )
 
 
+def assert_world(text, per_host):
+    """The rank lines in text (the output of every node) describe one world of sum(per_host.values())
+    processes, per_host[name] of them on the node whose host name is name: each global rank once, every
+    node with local ranks 0..n-1 and the block of global ranks that follows the nodes of lower GROUP_RANK
+    (whichever node that is: the rendezvous decides); and rank 0 says the replicas ended identical."""
+    lines = [
+        (int(r), int(w), int(lr), int(lw), int(g), host)
+        for r, w, _, _, lr, lw, g, host in RANK_RE.findall(text)
+    ]
+    world = sum(per_host.values())
+    assert sorted(line[0] for line in lines) == list(range(world)), f"rank lines:\n{text[-4000:]}"
+    nodes = {}  # GROUP_RANK: (host, local world size)
+    for _, size, _, local_size, node, host in lines:
+        assert size == world, f"world size {size}, expected {world}"
+        assert nodes.setdefault(node, (host, local_size)) == (host, local_size), f"node {node}: {lines}"
+    assert sorted(nodes) == list(range(len(per_host))), f"group ranks {sorted(nodes)}"
+    assert dict(nodes.values()) == per_host, f"processes per host {dict(nodes.values())}, expected {per_host}"
+    for rank, _, local, local_size, node, _ in lines:
+        first = sum(nodes[lower][1] for lower in range(node))
+        assert local < local_size and rank == first + local, f"rank {rank}: local {local} on node {node}"
+    identical = FINAL_RE.search(text)
+    assert identical and int(identical.group(1)) == world, f"replicas not shown identical:\n{text[-3000:]}"
+
+
 # The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that
 # do are marked needs_gpu and skipped where torch sees no GPU, as in CI.
 GPUS = torch.cuda.device_count()
