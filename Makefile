@@ -71,26 +71,7 @@ two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
   c="$(COMPOSE) $(1) $(if $(LINK_RATE)$(LINK_DELAY),--profile shaped)"; \
   if $$c up --abort-on-container-exit --exit-code-from node0; then $$c down --volumes; \
   else status=$$?; $$c down; exit $$status; fi
-.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
-
-image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
-	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
-
-base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
-	docker/build-base.sh $(LOCAL_BASE)
-
-two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
-	$(call two_node,$(COMPOSE_GPU))
-
-two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each (as `docker compose up`)
-	$(call two_node,$(COMPOSE_CPU))
-
-two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
-	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
-
-two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
-	$(COMPOSE) $(COMPOSE_CPU) --profile shaped down --volumes --remove-orphans
-# ==== end Docker and two nodes ===========================================================================
+# (the Docker targets follow the steps below)
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
@@ -124,6 +105,42 @@ diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
 
+# ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
+# make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
+# make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
+GPT_ARGS ?=
+GPT_BENCH_ARGS ?=
+.PHONY: gpt bench-gpt
+
+gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
+	  --snapshot_path $(RUNS)/gpt/snapshot.pt --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
+
+bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
+	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+# ==== end GPT ============================================================================================
+
+# ---- Docker and two nodes (variables above) ----
+.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
+
+image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+
+base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
+	docker/build-base.sh $(LOCAL_BASE)
+
+two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
+	$(call two_node,$(COMPOSE_GPU))
+
+two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each (as `docker compose up`)
+	$(call two_node,$(COMPOSE_CPU))
+
+two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
+	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
+
+two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
+	$(COMPOSE) $(COMPOSE_CPU) --profile shaped down --volumes --remove-orphans
+
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
 
@@ -142,20 +159,6 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
 # ==== end benchmarks =====================================================================================
 
-# ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
-# make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
-# make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
-GPT_ARGS ?=
-GPT_BENCH_ARGS ?=
-.PHONY: gpt bench-gpt
-
-gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
-	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
-	  --snapshot_path $(RUNS)/gpt/snapshot.pt --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
-
-bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
-	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
-# ==== end GPT ============================================================================================
 
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
