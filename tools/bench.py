@@ -234,9 +234,9 @@ def markdown(summary, settings, machine):
         f"Measured {machine['date_utc']} UTC on {machine['cpu']} ({machine['cores']} cores, GPUs: "
         f"{', '.join(machine['gpus']) or 'none'}, {machine['backend']}), python {machine['python']}, "
         f"torch {machine['torch']}, accelerate {machine['accelerate']}, commit {machine['commit']}; "
-        f"{settings['mode']} mode, rounds: {settings['repeats']} of {settings['epochs']} epochs each (the first "
-        f"not counted), global batch {settings['global_batch']}; load average {settings['load_before']} "
-        f"before, {settings['load_after']} after.",
+        f"{settings['mode']} mode, rounds: {settings['repeats']} of {settings['epochs']} epochs each (the "
+        f"first not counted), global batch {settings['global_batch']}; load average "
+        f"{settings['load_before']} before, {settings['load_after']} after.",
     ]
     for workload, part in summary.items():
         lines += ["", f"**{workload}** ({settings[f'{workload}_size']} samples per epoch)", ""]
@@ -356,11 +356,11 @@ def main(argv=None):
         mode="full" if args.full else "quick",
         load_before=[round(x, 2) for x in os.getloadavg()],
     )
-    out = args.out.resolve()  # the runs work in folders of their own
-    out.mkdir(parents=True, exist_ok=True)
     plan = [(w, v) for w in args.workloads for v in variants if v.name != "tutorial" or w == "tiny"]
     if not plan:
         parser.error("nothing to run: the tutorial variant runs the tiny workload only")
+    out = args.out.resolve()  # the runs work in folders of their own
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     try:
         for round_ in range(1, settings["repeats"] + 1):
