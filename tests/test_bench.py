@@ -1,6 +1,7 @@
 """The benchmark harness in a tiny configuration: every variant and ratio reported, plots, agreeing losses.
 
-Budget: one bench run of 7 short trainings, about 1.5 minutes on 2 idle cores.
+Budget: one bench run of 7 short trainings, about 3.5 minutes of CPU time; 4.5 to 7 minutes of wall time
+measured on 2 cores shared at load average 7 to 9.
 """
 
 import json
