@@ -1,0 +1,67 @@
+"""The DDP tutorial's single-GPU training loop, as a baseline for tools/bench.py (the `tutorial` variant).
+
+    python tools/tutorial_loop.py 10 5 --batch_size 32 --metrics_path metrics.jsonl
+
+The work per step and per epoch is that of the upstream tutorial's single_gpu.py: random samples
+(torch.rand(20), torch.rand(1)) in a list, a shuffling DataLoader, Linear(20, 1) and SGD at lr 1e-3; per step
+zero_grad, forward, loss, backward and step; per epoch one batch read to print the batch size and one line
+printed; every save_every epochs the model's state saved. Two changes, so that the bench reads it like the
+lessons: the loss is MSE (cross-entropy over a single output is always zero), and each epoch appends
+{"epoch", "loss", "samples_per_s"} to --metrics_path, the loss being the epoch's last batch's, which costs
+nothing per step.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    samples = [(torch.rand(20), torch.rand(1)) for _ in range(args.dataset_size)]
+    loader = DataLoader(samples, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
+    model = torch.nn.Linear(20, 1).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for epoch in range(args.total_epochs):
+        start = time.perf_counter()
+        batch_size = len(next(iter(loader))[0])  # the tutorial's way of finding the batch size
+        print(f"[{device}] epoch {epoch} | batch size {batch_size} | {len(loader)} steps", flush=True)
+        for source, targets in loader:
+            source, targets = source.to(device), targets.to(device)
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(source), targets)
+            loss.backward()
+            optimizer.step()
+        seconds = time.perf_counter() - start
+        if args.metrics_path:
+            record = {"epoch": epoch + 1, "loss": loss.item(), "samples_per_s": len(samples) / seconds}
+            with open(args.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if epoch % args.save_every == 0:
+            torch.save(model.state_dict(), args.snapshot_path)
+            print(f"epoch {epoch}: model saved to {args.snapshot_path}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("total_epochs", type=int, help="epochs to train")
+    parser.add_argument("save_every", type=int, help="save the model every this many epochs")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step (default 32)")
+    parser.add_argument("--dataset_size", type=int, default=2048, help="random samples (default 2048)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
+    parser.add_argument("--snapshot_path", default="checkpoint.pt", help="where the model is saved")
+    parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
+    args = parser.parse_args(argv)
+    for name in ["total_epochs", "save_every", "batch_size", "dataset_size"]:
+        if getattr(args, name) <= 0:
+            parser.error(f"{name} must be positive, got {getattr(args, name)}")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
