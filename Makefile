@@ -79,10 +79,11 @@ help: ## list the targets
 
 env: $(ENV) ## create the pinned Python environment in $(VENV)
 
+# --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch's sources anew
 $(ENV): requirements.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(call retry,$(PY) -m pip install -q "$$(grep '^uv==' requirements.txt)")
-	$(call retry,$(VENV)/bin/uv pip install -q --python $(PY) -r requirements.txt)
+	$(call retry,$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements.txt)
 	$(PY) -c 'import torch, torchvision, accelerate'
 	touch $@
 
@@ -151,8 +152,9 @@ BENCH_ARGS ?=
 ALLREDUCE_ARGS ?=
 BENCH_OUT ?= bench-results
 
-bench: $(ENV) ## every launcher side by side: samples/s, ratios, loss curves (BENCH_ARGS=--full: longer)
+bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 process): ratios in one run
 	$(PY) tools/bench.py --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
 
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) tools/allreduce_bench.py \
