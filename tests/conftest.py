@@ -109,6 +109,15 @@ class TrainLog:
         assert self.losses[-1] * factor < self.losses[0], f"loss did not fall by {factor}x: {self.losses}"
 
 
+def start_torchrun_agent(cmd, cwd, env=None):
+    """Popen a torchrun that may restart its workers: they must not reuse the agent's store (torch 2.13),
+    or gloo dials the old round's ports. Output in .stdout; CPU only unless env says otherwise."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    return subprocess.Popen(
+        [str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
 def need(available, reason, require_var):
     """Skip when a facility (Docker, Slurm) is missing, unless require_var=1 makes that a failure."""
     if available:

@@ -26,6 +26,7 @@ from conftest import (
     need,
     needs_gpu,
     run,
+    start_torchrun_agent,
 )
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
@@ -51,15 +52,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tm
 
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1"]
     cmd += [EXAMPLES / "multigpu_torchrun.py", *ARGS, "--metrics_path", "m.jsonl"]
-    agent = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # torch 2.13: restarted workers must not reuse the agent's store, or gloo dials the old round's ports
-        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": "", **env},
-    )
+    agent = start_torchrun_agent(cmd, tmp_path, env)
     try:
         wait_for_epochs(tmp_path / "m.jsonl", 2, agent)
         time.sleep(0.3)  # into the third epoch

@@ -10,7 +10,6 @@ import pickle
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,19 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import EXAMPLES, GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, free_port, load_snapshot, needs_gpu, run
+from conftest import (
+    EXAMPLES,
+    GPU_ENV,
+    GPUS,
+    PYTHON,
+    REPO,
+    TORCHRUN,
+    free_port,
+    load_snapshot,
+    needs_gpu,
+    run,
+    start_torchrun_agent,
+)
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
@@ -168,15 +179,7 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, "--cache_dir", cache]
     cmd += [*TINY, *RUN, "--batch_size", 8]
-    agent = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # restarted workers must not reuse the agent's store, or gloo dials the old round's ports
-        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": ""},
-    )
+    agent = start_torchrun_agent(cmd, tmp_path)
     try:
         deadline = time.monotonic() + 300
         metrics = tmp_path / "m.jsonl"

@@ -18,7 +18,7 @@ import data
 import torch
 import torch.distributed as dist
 from config import parse_args
-from trainer import Trainer, setup_processes, snapshot_config
+from trainer import Trainer, all_ranks, setup_processes, snapshot_config
 
 
 def main():
@@ -40,7 +40,7 @@ def main():
         except checkpoint.SnapshotError as exc:
             sys.exit(f"error: {exc}")
     rank, world, device = setup_processes()
-    steps = set(_gather(-1 if snapshot is None else int(snapshot["step"])))
+    steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the file would start over while the others resume
         sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
                  "--snapshot_path on a filesystem that every node shares")  # fmt: skip
@@ -54,14 +54,6 @@ def main():
         Trainer(args, corpus, snapshot, rank, world, device).train()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _gather(value):
-    if not dist.is_initialized():
-        return [value]
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 if __name__ == "__main__":
