@@ -169,7 +169,7 @@ lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	git ls-files -z '*.sh' .ci/run | xargs -0 $(VENV)/bin/shellcheck
-	git ls-files -z 'Dockerfile' | xargs -0 -r $(VENV)/bin/hadolint
+	git ls-files -z 'Dockerfile' '*/Dockerfile' | xargs -0 -r $(VENV)/bin/hadolint
 
 pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3.11 and 3.12)
 	$(VENV)/bin/uv pip compile -q --universal --python-version 3.11 --no-header --no-annotate \
