@@ -28,6 +28,8 @@ VARIANTS = {
     "gpu": GPU,
     "accelerate-cpu": (*CPU, "compose/accelerate.yaml"),
     "accelerate-gpu": (*GPU, "compose/accelerate.yaml"),
+    "gpt-cpu": (*CPU, "compose/gpt.yaml"),
+    "gpt-gpu": (*GPU, "compose/gpt.yaml"),
     "elastic-cpu": (*CPU, "compose/elastic.yaml"),
     "elastic-gpu": (*GPU, "compose/elastic.yaml"),
 }
@@ -37,7 +39,11 @@ IMAGE = "ddp-examples:test"
 SHAPER_IMAGE = "ddp-shaper:test"
 EPOCHS, SAVE_EVERY = 4, 2
 # Each variant writes its snapshot here on the shared volume (see the compose files).
-SNAPSHOTS = {"multinode": "/snapshots/multinode.pt", "accelerate": "/snapshots/accelerate.pt"}
+SNAPSHOTS = {
+    "multinode": "/snapshots/multinode.pt",
+    "accelerate": "/snapshots/accelerate.pt",
+    "gpt": "/snapshots/gpt.pt",
+}
 PREFIX_RE = re.compile(r"^[\w-]+\s+\| ", re.M)  # `node0-1  | ` before each line of `up`'s output
 
 
@@ -194,7 +200,7 @@ def normalized(service, devices=True):
     return service
 
 
-@pytest.mark.parametrize("example", ["", "accelerate-", "elastic-"])
+@pytest.mark.parametrize("example", ["", "accelerate-", "elastic-", "gpt-"])
 def test_gpu_and_cpu_variants_run_the_same_job(compose, example):
     """The GPU files differ from the CPU ones by device settings only, so the variants cannot drift."""
     cpu = resolved(compose, VARIANTS[example + "cpu"])["services"]
@@ -407,6 +413,23 @@ def test_accelerate_across_two_containers(project):
     assert proc.returncode == 0, proc.stdout[-6000:]
     TrainLog(proj.logs("node0")).assert_trained(world_size=4)
     assert proj.snapshot_epochs(SNAPSHOTS["accelerate"]) == EPOCHS
+
+
+def test_gpt_variant_runs_the_gpt_trainer(compose):
+    for service in resolved(compose, VARIANTS["gpt-cpu"])["services"].values():
+        assert service["command"][0] == "examples/gpt/train.py"
+        assert f"--snapshot_path={SNAPSHOTS['gpt']}" in service["command"]
+
+
+@SLOW
+def test_gpt_across_two_containers(project):
+    proj = project(VARIANTS["gpt-cpu"], GPT_STEPS=20, GPT_SAVE_EVERY=10)
+    proc, seconds = proj.up()
+    print(f"gpt-cpu: compose run {seconds:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "identical on 4 ranks" in proj.logs("node0"), proj.logs("node0")[-3000:]
+    code = f"import torch; print(torch.load({SNAPSHOTS['gpt']!r}, weights_only=True)['step'])"
+    assert int(proj.in_node(code).split()[-1]) == 20
 
 
 @SLOW
