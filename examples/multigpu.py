@@ -79,13 +79,6 @@ def main(rank, world_size, args):
     dist.destroy_process_group()
 
 
-def free_port():
-    """A port that nothing on this machine listens on: rank 0 hosts the process group there."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,6 +86,7 @@ def get_parser():
     parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--momentum", action="store_const", const=0.9, default=0.0, help="SGD momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
@@ -133,7 +127,7 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     return train_set, model, optimizer, loss_fn
 
 
@@ -196,5 +190,7 @@ if __name__ == "__main__":
     if args.nproc < 1 or (gpus and args.nproc > gpus):
         parser.error(f"--nproc must be between 1 and the number of GPUs ({gpus or 'any'}), got {args.nproc}")
     os.environ.setdefault("MASTER_ADDR", "localhost")  # where rank 0 hosts the group
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    with socket.socket() as s:  # on a port that nothing on this machine listens on
+        s.bind(("", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)

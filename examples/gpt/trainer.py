@@ -11,11 +11,11 @@ from dataclasses import asdict
 
 import checkpoint
 import data
+import parallel
 import torch
 import torch.distributed as dist
 from config import MODEL_KEYS
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
@@ -36,16 +36,6 @@ def setup_processes():
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
-
-
-def parallelize(model, args, device):
-    """Wrap the model for data parallelism: DDP averages gradients over all processes in backward."""
-    if not dist.is_initialized():
-        return model
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.comm_hook:  # each gradient bucket travels in 16 bits and is cast back to float32
-        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
-    return model
 
 
 def resolve_dtype(name, device):
@@ -85,12 +75,13 @@ def all_ranks(obj):
 class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
+        self.dp_rank, self.dp_world = parallel.data_parallel_layout(args, rank, world)
         ids, self.vocab = corpus
         train, val = data.split(ids, args.block_size)
         # the whole corpus lives on the device; batches are indexed there, not gathered sample by sample
         self.train_data, self.val_data = train.to(device), val.to(device)
         self.unigram = data.unigram_entropy(train, len(self.vocab))
-        self.global_batch = args.batch_size * args.grad_accum * world
+        self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         torch.manual_seed(args.seed)  # the same initial weights in every process
         self.raw = GPT(model_config(args, len(self.vocab))).to(device)
         self.dtype = resolve_dtype(args.dtype, device)
@@ -106,7 +97,7 @@ class Trainer:
         if snapshot is not None:
             self.restore(snapshot)
         model = torch.compile(self.raw) if args.compile else self.raw
-        self.model = parallelize(model, args, device)
+        self.model = parallel.parallelize(model, args, device)
         self.flops_per_token = flops_per_token(self.raw)
         self.peak = peak_flops(args, device)
 
@@ -174,7 +165,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(a.grad_accum):
             # this process's slice of the step's global batch
-            start = (self.rank * a.grad_accum + micro) * a.batch_size
+            start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
             last = micro == a.grad_accum - 1
             # no_sync: gradients add up locally; only the last micro-batch's backward all-reduces them
@@ -200,7 +191,7 @@ class Trainer:
         self.model.eval()
         offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
-        mine = offsets[self.rank :: self.world]
+        mine = offsets[self.dp_rank :: self.dp_world]
         for chunk in mine.split(a.batch_size):
             x, y = data.gather(self.val_data, chunk, a.block_size)
             with self.autocast():
