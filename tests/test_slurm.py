@@ -140,6 +140,29 @@ def test_job_trains_across_two_nodes(slurm_env, tmp_path, script, allocation):
     assert snapshot.is_file(), output[-4000:]
 
 
+def test_gpt_job_trains_across_two_nodes(slurm_env, tmp_path):
+    """The GPT trainer (examples/gpt) as SCRIPT: 4 ranks on two nodes, one snapshot written by rank 0."""
+    snapshot = tmp_path / "shared" / "gpt.pt"
+    args = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--max_steps", "20"]
+    args += [
+        "--eval_every",
+        "20",
+        "--eval_samples",
+        "16",
+        "--sample_chars",
+        "0",
+        "--cache_dir",
+        str(tmp_path),
+    ]
+    state, _, output = submit_and_wait(
+        slurm_env, tmp_path, args, {"SCRIPT": "gpt/train.py", "SNAPSHOT_PATH": str(snapshot)}
+    )
+    assert state == "COMPLETED", output[-4000:]
+    assert f"{NODES * PROCS_PER_NODE} process(es) on cpu" in output, output[-4000:]
+    assert re.search(r"^step 20/20 \| loss", output, re.M), output[-4000:]
+    assert snapshot.is_file() and f"saved {snapshot} at step 20" in output, output[-4000:]
+
+
 def test_job_without_rendezvous_fails_in_bound(slurm_env, tmp_path):
     # 192.0.2.1 is a documentation address (TEST-NET-1): nothing answers there, so the nodes never meet.
     state, elapsed, output = submit_and_wait(

@@ -5,10 +5,12 @@
 #   sbatch examples/slurm/sbatch_run.sh TOTAL_EPOCHS SAVE_EVERY [training options...]
 #   sbatch --nodes=4 --gpus-per-node=8 --time=02:00:00 examples/slurm/sbatch_run.sh 50 10 --batch_size 64
 #   SCRIPT=multigpu_accelerate.py sbatch examples/slurm/sbatch_run.sh 50 10
+#   SCRIPT=gpt/train.py sbatch examples/slurm/sbatch_run.sh --max_steps 2000     # the GPT (docs/gpt.md)
 #
 # Submit from the repository root (or set EXAMPLES_DIR). Arguments after the script name go to the
 # training script unchanged. Settings (environment at submission; sbatch passes it on):
-#   SCRIPT          training script, a path or a name under EXAMPLES_DIR   (default multinode.py)
+#   SCRIPT          training script: a path under EXAMPLES_DIR (multigpu_accelerate.py, gpt/train.py)
+#                   or any other path                       (default multinode.py)
 #   EXAMPLES_DIR    where SCRIPT names are looked up        (default $SLURM_SUBMIT_DIR/examples)
 #   NPROC_PER_NODE  training processes per node   (default: GPUs allocated on the node, else
 #                   --cpus-per-task, else the CPUs allocated on the node)
@@ -38,8 +40,9 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 
 script=${SCRIPT:-multinode.py}
-if [[ $script != */* ]]; then
-  script=${EXAMPLES_DIR:-$SLURM_SUBMIT_DIR/examples}/$script
+examples=${EXAMPLES_DIR:-$SLURM_SUBMIT_DIR/examples}
+if [[ $script != /* && -f $examples/$script ]]; then
+  script=$examples/$script
 fi
 [ -f "$script" ] || {
   echo "training script not found: $script (submit from the repository root or set SCRIPT/EXAMPLES_DIR)" >&2
