@@ -131,10 +131,11 @@ def throughput(epochs):
 
 
 def spread(values):
-    """mean, sample standard deviation, min, max and count."""
+    """mean, sample standard deviation, median, min, max and count."""
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return {
         "mean": statistics.fmean(values),
+        "median": statistics.median(values),
         "std": std,
         "min": min(values),
         "max": max(values),
@@ -257,9 +258,11 @@ def markdown(summary, settings, machine):
                     r["about"],
                 )
             )
-        lines += ["", row("ratio, within a round", "mean ± std", "measures", "target"), "|---|---:|---|---|"]
+        lines += ["", row("ratio, within a round", "mean ± std", "median", "measures", "target")]
+        lines += ["|---|---:|---:|---|---|"]
         for name, r in part["ratios"].items():
-            lines.append(row(name, f"{r['mean']:.3f} ± {r['std']:.3f}", r["about"], r["verdict"]))
+            mean = f"{r['mean']:.3f} ± {r['std']:.3f}"
+            lines.append(row(name, mean, f"{r['median']:.3f}", r["about"], r["verdict"]))
         agree = ", ".join(f"{k} {v:.1e}" for k, v in part["max_abs_loss_diff_vs_plain"].items())
         lines += ["", f"Largest |loss - plain's loss| over the epochs: {agree or 'n/a'}."]
     return "\n".join(lines) + "\n"

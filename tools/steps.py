@@ -53,12 +53,12 @@ def command(step, args=(), *, nproc=2, python=(sys.executable,), script=None, po
         return [[*python, script, *args]]
     if how == "spawn":
         return [[*python, script, *args, "--nproc", str(nproc)]]
-    torchrun = [*python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":
-        return [[*torchrun[:-1], "--standalone", torchrun[-1], script, *args]]
+        return [[*python, "-m", "torch.distributed.run", "--standalone", procs, script, *args]]
     port = port or free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=local{port}"]
-    launch = [*python, os.path.join(root, "tools", "launch.py"), "--nnodes=2", torchrun[-1], *rendezvous]
+    launch = [*python, os.path.join(root, "tools", "launch.py"), "--nnodes=2", procs, *rendezvous]
     return [[*launch, f"--rdzv-conf={RDZV_CONF}", script, *args] for _ in range(2)]
 
 
