@@ -5,6 +5,8 @@ import pickle
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -137,6 +139,14 @@ def _planner():
     return SafePlanner()
 
 
+@contextmanager
+def _no_single_process_warning():
+    """DCP warns when it runs without a process group; here one process (or export.py) is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
+
+
 def _fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -160,11 +170,12 @@ def save_sharded(path, model, optimizer, extra):
     if distributed:
         dist.broadcast_object_list(name, src=0)
     target = path / name[0]
-    dcp.save(
-        {"model": model_state, "optimizer": optimizer_state},
-        storage_writer=dcp.FileSystemWriter(target),
-        no_dist=not distributed,
-    )
+    with _no_single_process_warning():
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            storage_writer=dcp.FileSystemWriter(target),
+            no_dist=not distributed,
+        )
     if not distributed or dist.get_rank() == 0:
         save(target / "extra.pt", extra)
         _fsync_dir(target)
@@ -225,11 +236,17 @@ def load_sharded(step_dir, model, optimizer):
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         reader, planner = _reader(step_dir), _planner()
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
-    except Exception as exc:
-        first_line = (str(exc).strip() or "no detail").splitlines()[0]
+        with _no_single_process_warning():
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as exc:
+        # DCP gathers every process's failure into one exception (not an Exception); name the first
+        failures = getattr(exc, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else exc
+        first_line = (str(cause).strip() or "no detail").splitlines()[0]
+        if isinstance(cause, pickle.UnpicklingError):
+            first_line = "it holds objects that would run code when loaded"
         raise SnapshotError(
-            f"cannot resume from {step_dir}: {type(exc).__name__}: {first_line}. It was left untouched; "
-            "a file that would run code when loaded is refused"
+            f"cannot resume from {step_dir}: {type(cause).__name__}: {first_line}. "
+            "It was left untouched; move it away or pass another --snapshot_path"
         ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
