@@ -9,8 +9,6 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -33,6 +31,8 @@ def fsdp(model, args, device):
     just before its forward and backward and drops them after; gradients are reduce-scattered, so each
     process keeps the gradient and AdamW state of its part alone. The tied embedding/output matrix
     belongs to no block: the root call shards it, once."""
+    from torch.distributed.fsdp import fully_shard  # imported here: it costs every run a second or two
+
     raw = getattr(model, "_orig_mod", model)  # under torch.compile, shard the module it wraps
     for block in raw.blocks:
         fully_shard(block)
@@ -62,6 +62,8 @@ def make_optimizer(groups, args, device):
     Built after parallelize(): FSDP replaces the parameters by their shards."""
     options = dict(lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     if args.parallel == "zero" and dist.is_initialized():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **options)
     return torch.optim.AdamW(groups, **options)
 
@@ -69,7 +71,7 @@ def make_optimizer(groups, args, device):
 def full_optimizer_state(optimizer):
     """The whole optimizer state_dict in process 0 (None in the others under --parallel zero, whose
     shares are first gathered there); a collective under zero."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if hasattr(optimizer, "consolidate_state_dict"):  # a ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if dist.get_rank() == 0 else None
     return optimizer.state_dict()
@@ -79,7 +81,7 @@ def gradient_sync(model, enabled):
     """A context for backward(): with enabled=False, gradients add up locally without communication
     (DDP's no_sync, FSDP's set_requires_gradient_sync); the last micro-batch's backward reduces them."""
     inner = getattr(model, "_orig_mod", model)
-    if isinstance(inner, FSDPModule):
+    if hasattr(inner, "set_requires_gradient_sync"):  # an FSDP module
         inner.set_requires_gradient_sync(enabled)
     elif isinstance(model, DDP) and not enabled:
         return model.no_sync()
