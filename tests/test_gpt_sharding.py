@@ -165,10 +165,12 @@ def test_the_exported_file_resumes_as_a_single_file_snapshot(tmp_path, cache, cr
     assert max_diff(runs["fsdp"][0]["model"], load_snapshot(tmp_path / "gpt_snapshot.pt")["model"]) < 1e-4
 
 
-# ---- files that would run code ----------------------------------------------------------------------
+# ---- snapshots it cannot use: another model shape, files that would run code ---------------------------
 def plant(kind, snapshot_dir, tmp_path):
     """A payload that would `touch pwned` when unpickled, in one file a load opens; that file's path."""
     step_dir = snapshot_dir / (snapshot_dir / "latest").read_text().strip()
+    if kind == "other_config":  # no payload: a snapshot of a model with 2 layers, for a run with 3
+        return step_dir / "extra.pt"
     if kind == "exported":
         state = exported(snapshot_dir)
         state["vocab"] = RunsCode()
@@ -192,8 +194,8 @@ def plant(kind, snapshot_dir, tmp_path):
     return data
 
 
-@pytest.mark.parametrize("kind", ["exported", "extra", "metadata", "distcp"])
-def test_a_planted_payload_is_refused_and_runs_nothing(tmp_path, cache, crashed, kind):
+@pytest.mark.parametrize("kind", ["other_config", "exported", "extra", "metadata", "distcp"])
+def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, crashed, kind):
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
     planted = plant(kind, tmp_path / "gpt_snapshot", tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -201,12 +203,21 @@ def test_a_planted_payload_is_refused_and_runs_nothing(tmp_path, cache, crashed,
     # torch.load's own default made unsafe: only the trainer's explicit choices stand in the way
     env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
     strategy = "ddp" if kind == "exported" else "fsdp"
-    procs = [train(tmp_path, cache, *STEPS, "--parallel", strategy, "--batch_size", 24, check=False, env=env)]
+    args = [
+        *STEPS,
+        "--parallel",
+        strategy,
+        "--batch_size",
+        24,
+        *(["--n_layer", 3] if kind == "other_config" else []),
+    ]
+    procs = [train(tmp_path, cache, *args, check=False, env=env)]
     if kind in ("metadata", "distcp"):
         procs.append(export(tmp_path / "gpt_snapshot", tmp_path / "out.pt", check=False, env=env))
     for proc in procs:
         assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
         assert "cannot resume from" in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
+        assert kind != "other_config" or "another configuration: n_layer 2 (this run: 3)" in proc.stdout
     assert not (tmp_path / "pwned").exists()
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
 
