@@ -4,6 +4,7 @@ import argparse
 import os
 
 import torch
+from parallel import SHARDED_SNAPSHOTS, STRATEGIES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -62,7 +63,8 @@ def get_parser():
     group.add_argument("--log_every", type=int, help="a log line every this many steps")
     group.add_argument("--metrics_path", help="append one JSON line per log line and per evaluation")
     group.add_argument(
-        "--snapshot_path", default="gpt_snapshot.pt", help="resume from, save to (%(default)s)"
+        "--snapshot_path",
+        help="resume from, save to (gpt_snapshot.pt; a directory, gpt_snapshot, for --parallel fsdp)",
     )
     group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
     group.add_argument("--sample_chars", type=int, default=200, help="characters generated at the end (200)")
@@ -73,7 +75,10 @@ def get_parser():
     )  # fmt: skip
     group.add_argument("--compile", action="store_true", help="torch.compile the model")
     group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
-    group.add_argument("--parallel", choices=["ddp"], default="ddp", help="how processes share the work")
+    group.add_argument(
+        "--parallel", choices=STRATEGIES, default="ddp",
+        help="how processes share the work: ddp (replicas), zero (AdamW state split), fsdp (all split)",
+    )  # fmt: skip
     group.add_argument(
         "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
     )
@@ -99,6 +104,8 @@ def parse_args(argv=None):
             parser.error(f"--{key} must be positive, got {getattr(args, key)}")
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    sharded = args.parallel in SHARDED_SNAPSHOTS
+    args.snapshot_path = args.snapshot_path or ("gpt_snapshot" if sharded else "gpt_snapshot.pt")
     checks = [
         (
             args.n_embd % args.n_head == 0,
@@ -114,7 +121,16 @@ def parse_args(argv=None):
         (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
         (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
-        (not os.path.isdir(args.snapshot_path), f"--snapshot_path {args.snapshot_path} is a directory"),
+        (
+            sharded or not os.path.isdir(args.snapshot_path),
+            f"--snapshot_path {args.snapshot_path} is a directory (--parallel fsdp's sharded snapshots are; "
+            "examples/gpt/export.py makes one file of them)",
+        ),
+        (
+            not sharded or not os.path.isfile(args.snapshot_path),
+            f"--snapshot_path {args.snapshot_path} is a file: --parallel {args.parallel} saves a directory",
+        ),
+        (not (args.comm_hook and args.parallel == "fsdp"), "--comm_hook is for DDP: fsdp reduce-scatters"),
     ]
     for ok, message in checks:
         if not ok:

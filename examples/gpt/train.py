@@ -51,7 +51,11 @@ def main():
             print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
                   "raise --max_steps to go on", flush=True)  # fmt: skip
     else:
-        Trainer(args, corpus, snapshot, rank, world, device).train()
+        try:
+            trainer = Trainer(args, corpus, snapshot, rank, world, device)
+        except checkpoint.SnapshotError as exc:  # a sharded snapshot's data, read by every process here
+            sys.exit(f"error: {exc}")
+        trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,12 +1,10 @@
 """The training loop: processes, parallelism, precision, the step with accumulation, evaluation, snapshots."""
 
-import ctypes
 import hashlib
 import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import checkpoint
@@ -16,7 +14,6 @@ import torch
 import torch.distributed as dist
 from config import MODEL_KEYS
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12)]
@@ -55,12 +52,16 @@ def peak_flops(args, device):
     return None
 
 
-def weights_sha256(model):
-    digest = hashlib.sha256()
-    for tensor in model.parameters():
-        t = tensor.detach().cpu().contiguous()
-        digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
-    return digest.hexdigest()[:12]
+def ranks_equal_to_rank0(tensors):
+    """How many processes hold exactly the tensors process 0 holds; a collective."""
+    if not dist.is_initialized():
+        return 1
+    mine = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    same = torch.tensor(float(rank0.equal(mine)), device=mine.device)
+    dist.all_reduce(same)
+    return int(same.item())
 
 
 def all_ranks(obj):
@@ -85,31 +86,31 @@ class Trainer:
         torch.manual_seed(args.seed)  # the same initial weights in every process
         self.raw = GPT(model_config(args, len(self.vocab))).to(device)
         self.dtype = resolve_dtype(args.dtype, device)
-        self.optimizer = torch.optim.AdamW(
-            optimizer_groups(self.raw, args.weight_decay),
-            lr=args.lr,
-            betas=(0.9, 0.95),
-            fused=device.type == "cuda",
-        )
+        model = torch.compile(self.raw) if args.compile else self.raw
+        self.model = parallel.parallelize(model, args, device)
+        groups = optimizer_groups(self.raw, args.weight_decay)
+        self.optimizer = parallel.make_optimizer(groups, args, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.step = 0
         torch.manual_seed(args.seed + 1 + rank)  # dropout: a different stream in every process
         if snapshot is not None:
             self.restore(snapshot)
-        model = torch.compile(self.raw) if args.compile else self.raw
-        self.model = parallel.parallelize(model, args, device)
         self.flops_per_token = flops_per_token(self.raw)
         self.peak = peak_flops(args, device)
 
     # ---- snapshots -----------------------------------------------------------------------------------
-    def state(self):
-        """Everything a resumed run needs to continue exactly; the data position is the step itself."""
+    def state(self, weights=True):
+        """Everything a resumed run needs to continue exactly; the data position is the step itself.
+        weights=False: all but the model and optimizer, which a sharded snapshot holds in shards."""
         rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
+        weights = {
+            "model": self.raw.state_dict(),
+            "optimizer": parallel.full_optimizer_state(self.optimizer),  # a collective under zero
+        } if weights else {}  # fmt: skip
         return {
             "config": snapshot_config(self.args, self.vocab),
             "vocab": self.vocab,
-            "model": self.raw.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **weights,
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "seed": self.args.seed,
@@ -121,8 +122,11 @@ class Trainer:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
 
     def restore(self, snapshot):
-        self.raw.load_state_dict(snapshot["model"])
-        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if "shards" in snapshot:  # a sharded snapshot: each process reads its own part
+            checkpoint.load_sharded(snapshot["shards"], self.raw, self.optimizer)
+        else:
+            self.raw.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
         rng = snapshot["rng"]
@@ -139,6 +143,9 @@ class Trainer:
             )
 
     def save(self):
+        if self.args.parallel in parallel.SHARDED_SNAPSHOTS:  # every process writes its shards
+            extra = self.state(weights=False)
+            return checkpoint.save_sharded(self.args.snapshot_path, self.raw, self.optimizer, extra)
         state = self.state()  # a collective: every process takes part
         if self.rank == 0:
             checkpoint.save(self.args.snapshot_path, state)
@@ -168,9 +175,8 @@ class Trainer:
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
             last = micro == a.grad_accum - 1
-            # no_sync: gradients add up locally; only the last micro-batch's backward all-reduces them
-            sync = nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
-            with sync:
+            # gradients add up locally; only the last micro-batch's backward reduces them over processes
+            with parallel.gradient_sync(self.model, last):
                 with self.autocast():
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss / a.grad_accum).backward()
@@ -192,11 +198,14 @@ class Trainer:
         offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
         mine = offsets[self.dp_rank :: self.dp_world]
-        for chunk in mine.split(a.batch_size):
-            x, y = data.gather(self.val_data, chunk, a.block_size)
+        # every process runs as many forwards (sharded weights are gathered in each): the largest share's
+        for start in range(0, -(-len(offsets) // self.dp_world), a.batch_size):
+            chunk = mine[start : start + a.batch_size]
+            x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size)
             with self.autocast():
                 _, loss = self.raw(x, y)
-            totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
+            if len(chunk):
+                totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.model.train()
@@ -266,15 +275,15 @@ class Trainer:
         self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
 
     def finish(self):
-        digests = all_ranks(weights_sha256(self.raw))
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"final weights differ across processes: {digests}")
-        self.log(
-            f"final weights sha256 {digests[0]}"
-            + (f" identical on {self.world} ranks" if self.world > 1 else "")
-        )
-        if self.rank == 0 and self.args.sample_chars:
-            self.log("sample:\n" + self.sample(self.args.sample_chars))
+        # whole parameters (shards gathered) compared with process 0's: replicas must not have drifted apart
+        same = ranks_equal_to_rank0(parallel.full_parameters(self.raw))
+        if same != self.world:
+            raise RuntimeError(f"final weights differ: {same} of {self.world} processes equal process 0's")
+        if self.world > 1:
+            self.log(f"final weights identical on {self.world} ranks")
+        if self.args.sample_chars:  # generated in every process: a sharded model's forward is a collective
+            text = self.sample(self.args.sample_chars)
+            self.log("sample:\n" + text)
 
     def sample(self, count):
         self.raw.eval()

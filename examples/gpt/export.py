@@ -1,0 +1,56 @@
+"""Write a sharded snapshot (the directory --parallel fsdp saves) as one file: the single-file snapshot
+that --parallel ddp or zero resumes from, and that torch.load(weights_only=True) reads.
+
+    python examples/gpt/export.py gpt_snapshot gpt_snapshot.pt
+
+It runs in one process: every shard is read, so the whole model and optimizer state must fit in memory.
+"""
+
+import argparse
+import os
+import sys
+
+import checkpoint
+import torch
+from model import GPT, GPTConfig, optimizer_groups
+
+
+def load_whole(snapshot_dir):
+    """(the snapshot's other entries, the model, its AdamW) read from every shard of a sharded snapshot."""
+    state = checkpoint.load(snapshot_dir, {})
+    if state is None:
+        raise checkpoint.SnapshotError(f"{snapshot_dir} holds no complete snapshot")
+    config = {key: value for key, value in state["config"].items() if key != "vocab_sha256"}
+    model = GPT(GPTConfig(**config))
+    # the groups as in training; their settings (lr, betas, weight decay) come from the snapshot
+    optimizer = torch.optim.AdamW(optimizer_groups(model, 0.0))
+    checkpoint.load_sharded(state.pop("shards"), model, optimizer)
+    return state, model, optimizer
+
+
+def single_file_state(snapshot_dir):
+    """What a single-file snapshot of the same run holds."""
+    state, model, optimizer = load_whole(snapshot_dir)
+    return {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def main():
+    p = argparse.ArgumentParser(description="Export a sharded GPT snapshot to one plain file.")
+    p.add_argument("snapshot", help="the snapshot directory (--snapshot_path of an fsdp run)")
+    p.add_argument("out", help="the file to write; an existing one is replaced only with --force")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    args = p.parse_args()
+    if not os.path.isdir(args.snapshot):
+        p.error(f"{args.snapshot} is not a directory: a sharded snapshot is one")
+    if os.path.isdir(args.out) or (os.path.exists(args.out) and not args.force):
+        p.error(f"{args.out} exists: pass --force to replace it, or another OUT")
+    try:
+        state = single_file_state(args.snapshot)
+    except checkpoint.SnapshotError as exc:
+        sys.exit(f"error: {exc}")
+    checkpoint.save(args.out, state)
+    print(f"wrote {args.out}: step {state['step']}")
+
+
+if __name__ == "__main__":
+    main()

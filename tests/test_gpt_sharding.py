@@ -1,0 +1,231 @@
+"""Sharded data parallelism in the GPT trainer: --parallel zero and fsdp against ddp, sharded snapshots that
+resume on another number of processes, survive a crash mid-save, export to one file, and never run code
+from a file they load. Tiny model, global batch 24 (2 x 12, 3 x 4 x 2 micro-batches, 1 x 24): about
+3 minutes on 2 cores."""
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from conftest import PYTHON, TORCHRUN, load_snapshot, run
+from test_gpt import GPT, TINY, TRAIN, RunsCode, assert_identical, cache, import_gpt_module, max_diff
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
+
+EXPORT = GPT / "export.py"
+STEPS = ["--max_steps", 40, "--save_every", 20, "--sample_chars", 0]
+ON_2 = ["--batch_size", 12]
+
+# Runs train.py, but SIGKILLs process 0 when it is about to write extra.pt of the step-40 snapshot: every
+# process has written its shards by then, and the pointer still names step 20.
+CRASH = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import checkpoint
+save = checkpoint.save
+def dying_save(path, state):
+    if state["step"] == 40:
+        os.kill(os.getpid(), signal.SIGKILL)
+    save(path, state)
+checkpoint.save = dying_save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# What train.py does with a snapshot, plus one save into ./resaved right after loading it: the state as
+# this number of processes holds it, before any step.
+RESUME = """
+import os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import checkpoint, data
+from config import parse_args
+from trainer import Trainer, setup_processes, snapshot_config
+sys.argv = sys.argv[1:]
+parser, args = parse_args()
+corpus = data.load_corpus(args.data, args.cache_dir, args.timeout)
+snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
+rank, world, device = setup_processes()
+trainer = Trainer(args, corpus, snapshot, rank, world, device)
+path, args.snapshot_path = args.snapshot_path, "resaved"
+trainer.save()
+args.snapshot_path = path
+trainer.train()
+"""
+
+
+def train(cwd, cache, *args, nproc=None, script=None, check=True, env=None):
+    """train.py (or a script that runs it) on the tiny model: alone, or under torchrun on nproc processes."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
+    cmd += [script, TRAIN] if script else [TRAIN]
+    cmd += ["--cache_dir", cache, *TINY, *args]
+    return run(cmd, timeout=600, cwd=cwd, check=check, env=env)
+
+
+def script_file(tmp_path, text):
+    path = tmp_path / "wrapper.py"
+    path.write_text(text)
+    return path
+
+
+def export(snapshot, out, check=True, env=None):
+    return run([PYTHON, EXPORT, snapshot, out], timeout=300, check=check, env=env)
+
+
+def exported(snapshot):
+    """export.py's single-file state of a sharded snapshot, made in this process."""
+    return import_gpt_module("export").single_file_state(snapshot)
+
+
+def assert_same_optimizer(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        assert_identical(a["state"][key], b["state"][key])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
+    """40 steps on 2 processes under each strategy, global batch 24; fsdp's snapshot exported."""
+    out = {}
+    for strategy in ("ddp", "zero", "fsdp"):
+        cwd = tmp_path_factory.mktemp(strategy)
+        proc = train(cwd, cache, *STEPS, *ON_2, "--parallel", strategy, nproc=2)
+        if strategy == "fsdp":  # the command, then the file it writes
+            export(cwd / "gpt_snapshot", cwd / "gpt_snapshot.pt", env={"OMP_NUM_THREADS": "1"})
+        out[strategy] = (load_snapshot(cwd / "gpt_snapshot.pt"), proc.stdout)
+    return out
+
+
+def test_zero_on_2_ranks_equals_ddp(runs):
+    (ddp, _), (zero, log) = runs["ddp"], runs["zero"]
+    assert "final weights identical on 2 ranks" in log, log[-2000:]
+    assert_identical(ddp["model"], zero["model"])  # each parameter is updated by the same AdamW arithmetic
+    assert_same_optimizer(ddp["optimizer"], zero["optimizer"])  # consolidated: the single-file format
+
+
+def test_fsdp_on_2_ranks_equals_ddp_and_keeps_the_tied_matrix_one(runs):
+    (ddp, _), (fsdp, log) = runs["ddp"], runs["fsdp"]
+    assert "final weights identical on 2 ranks" in log, log[-2000:]
+    assert fsdp["step"] == 40 and fsdp["model"].keys() == ddp["model"].keys()
+    assert fsdp["model"]["head.weight"].equal(fsdp["model"]["tok_emb.weight"])
+    print(f"fsdp vs ddp, 40 steps: max parameter difference {max_diff(ddp['model'], fsdp['model']):.3g}")
+    assert max_diff(ddp["model"], fsdp["model"]) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory, cache):
+    """fsdp on 2 processes, process 0 killed while saving step 40: the snapshot of step 20 remains."""
+    cwd = tmp_path_factory.mktemp("crashed")
+    wrapper = script_file(cwd, CRASH)
+    proc = train(cwd, cache, *STEPS, *ON_2, "--parallel", "fsdp", nproc=2, script=wrapper, check=False)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return cwd / "gpt_snapshot"
+
+
+def test_a_crash_mid_save_leaves_the_previous_snapshot(crashed):
+    steps = sorted(p.name for p in crashed.iterdir() if p.is_dir())
+    assert [name[:13] for name in steps] == ["step-00000020", "step-00000040"], steps
+    assert (crashed / "latest").read_text().strip() == steps[0]
+    assert (crashed / steps[1] / ".metadata").exists()  # the new shards are all there, but not pointed at
+
+
+@pytest.mark.parametrize(
+    ("nproc", "args"), [(None, ["--batch_size", 24]), (3, ["--batch_size", 4, "--grad_accum", 2])]
+)
+def test_resume_on_another_number_of_processes(tmp_path, cache, crashed, runs, nproc, args):
+    shutil.copytree(crashed, tmp_path / "gpt_snapshot")
+    wrapper = script_file(tmp_path, RESUME)
+    proc = train(tmp_path, cache, *STEPS, *args, "--parallel", "fsdp", nproc=nproc, script=wrapper)
+    assert "resuming" not in proc.stdout  # (train.py's message; the wrapper resumes silently)
+    # the state as loaded by this many processes is the state 2 processes saved
+    before, after = exported(tmp_path / "gpt_snapshot"), exported(tmp_path / "resaved")
+    assert before["step"] == 40  # the resumed run went on to the end
+    saved = exported(crashed)
+    assert saved["step"] == after["step"] == 20
+    assert_identical(saved["model"], after["model"])
+    assert_same_optimizer(saved["optimizer"], after["optimizer"])
+    assert len(after["rng"]) == (nproc or 1)
+    # the partial step-40 directory is gone, replaced by the resumed run's own
+    assert len([p for p in (tmp_path / "gpt_snapshot").iterdir() if p.is_dir()]) == 1
+    diff = max_diff(runs["fsdp"][0]["model"], before["model"])
+    print(f"fsdp 2 -> {nproc or 1} processes at step 20, then to 40: {diff:.3g} from the uninterrupted run")
+    assert diff < 1e-4
+
+
+def test_the_exported_file_resumes_as_a_single_file_snapshot(tmp_path, cache, crashed, runs):
+    export(crashed, tmp_path / "gpt_snapshot.pt")
+    # one process: --parallel zero is plain AdamW there, as the other strategies are
+    proc = train(tmp_path, cache, *STEPS, "--batch_size", 24, "--parallel", "zero")
+    assert "resuming from gpt_snapshot.pt at step 20" in proc.stdout, proc.stdout[-2000:]
+    assert "1 process(es) on cpu" in proc.stdout
+    assert max_diff(runs["fsdp"][0]["model"], load_snapshot(tmp_path / "gpt_snapshot.pt")["model"]) < 1e-4
+
+
+# ---- snapshots it cannot use: another model shape, files that would run code ---------------------------
+def plant(kind, snapshot_dir, tmp_path):
+    """A payload that would `touch pwned` when unpickled, in one file a load opens; that file's path."""
+    step_dir = snapshot_dir / (snapshot_dir / "latest").read_text().strip()
+    if kind == "other_config":  # no payload: a snapshot of a model with 2 layers, for a run with 3
+        return step_dir / "extra.pt"
+    if kind == "exported":
+        state = exported(snapshot_dir)
+        state["vocab"] = RunsCode()
+        torch.save(state, tmp_path / "gpt_snapshot.pt")  # a real torch file with one object inside
+        return tmp_path / "gpt_snapshot.pt"
+    if kind == "extra":
+        (step_dir / "extra.pt").write_bytes(pickle.dumps({"config": RunsCode()}))
+        return step_dir / "extra.pt"
+    if kind == "metadata":
+        (step_dir / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+        return step_dir / ".metadata"
+    # distcp: the same checkpoint written again by DCP itself, with one optimizer setting an object
+    _, model, optimizer = import_gpt_module("export").load_whole(snapshot_dir)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    optimizer_state["param_groups"][0]["lr"] = RunsCode()
+    for old in step_dir.glob("*.distcp"):
+        old.unlink()
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=step_dir, no_dist=True)
+    data = next(step_dir.glob("*.distcp"))
+    assert b"touch pwned" in data.read_bytes()
+    return data
+
+
+@pytest.mark.parametrize("kind", ["other_config", "exported", "extra", "metadata", "distcp"])
+def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, crashed, kind):
+    shutil.copytree(crashed, tmp_path / "gpt_snapshot")
+    planted = plant(kind, tmp_path / "gpt_snapshot", tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert planted in before
+    # torch.load's own default made unsafe: only the trainer's explicit choices stand in the way
+    env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+    strategy = "ddp" if kind == "exported" else "fsdp"
+    args = [
+        *STEPS,
+        "--parallel",
+        strategy,
+        "--batch_size",
+        24,
+        *(["--n_layer", 3] if kind == "other_config" else []),
+    ]
+    procs = [train(tmp_path, cache, *args, check=False, env=env)]
+    if kind in ("metadata", "distcp"):
+        procs.append(export(tmp_path / "gpt_snapshot", tmp_path / "out.pt", check=False, env=env))
+    for proc in procs:
+        assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+        assert "cannot resume from" in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
+        assert kind != "other_config" or "another configuration: n_layer 2 (this run: 3)" in proc.stdout
+    assert not (tmp_path / "pwned").exists()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
+    config = import_gpt_module("config")
+    with pytest.raises(SystemExit) as exc:
+        config.parse_args(["--parallel", "fsdp", "--comm_hook", "fp16"])
+    assert exc.value.code == 2
+    assert "--comm_hook is for DDP" in capsys.readouterr().err
