@@ -30,6 +30,11 @@ VARIANTS = {
     "ddp_2_processes_1_thread": (2, 1),
 }
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
+# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), or an "error: ..." message;
+# torchrun's own ChildFailedError only says that a worker failed
+ERROR_RE = re.compile(
+    r"^(?:\[rank\d+\]: )?((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\berror: .*)$"
+)
 
 
 class TrainingFailed(RuntimeError):
@@ -52,9 +57,12 @@ def data_parallel_shares(strategy, procs, train_args):
     return parallel.data_parallel_layout(args, 0, procs)[1]
 
 
-def run_training(name, procs, threads, train_args, work, *, steps, cache_dir, limit, log_every=None):
-    """train.py for `steps` steps on `procs` CPU processes (torchrun when more than one): its metrics
-    records and its output. Raises TrainingFailed with the last line printed when it fails."""
+def run_training(
+    name, procs, threads, train_args, work, *, steps, cache_dir, limit, log_every=None, cpu=True
+):
+    """train.py for `steps` steps on `procs` processes (torchrun when more than one), on the CPU unless cpu
+    is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last line).
+    """
     metrics = work / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable]
@@ -63,7 +71,7 @@ def run_training(name, procs, threads, train_args, work, *, steps, cache_dir, li
     cmd += [TRAIN, "--max_steps", steps, "--log_every", log_every or steps, "--eval_every", steps]
     cmd += ["--eval_samples", 16, "--sample_chars", 0, "--save_every", steps, "--metrics_path", metrics]
     cmd += ["--snapshot_path", work / f"{name}.pt", "--cache_dir", cache_dir, *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     try:
         proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as exc:
@@ -72,8 +80,9 @@ def run_training(name, procs, threads, train_args, work, *, steps, cache_dir, li
         (work / f"{name}.pt").unlink(missing_ok=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
-        raise TrainingFailed(f"exit {proc.returncode}: {last.strip()}")
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        errors = [m.group(1) for m in map(ERROR_RE.match, lines) if m]
+        raise TrainingFailed(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()], output
 
 
