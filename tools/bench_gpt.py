@@ -94,7 +94,9 @@ def tokens_per_s(records):
 def plan(args, train_args, parser):
     """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
     if args.strategies is None:
-        return {name: (*pt, []) for name, pt in VARIANTS.items()}, "one_process_2_threads"
+        batch = {name: ["--batch_size", args.global_batch // procs] for name, (procs, _) in VARIANTS.items()}
+        variants = {name: (*VARIANTS[name], batch[name]) for name in VARIANTS}
+        return variants, "one_process_2_threads"
     known = strategies()
     chosen = args.strategies or known
     unknown = [s for s in chosen if s not in known]
@@ -161,9 +163,11 @@ def main():
                 if batch != args.global_batch:
                     sys.exit(f"{name} ran at global batch {batch}, not {args.global_batch}")
                 results[name].append(tokens_per_s(records))
-            print(
-                f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names if n not in failed)
-            )
+            done = [n for n in names if n not in failed]
+            ratios = [
+                f"{n}/{baseline} {results[n][-1] / results[baseline][-1]:.3f}" for n in done if n != baseline
+            ]
+            print(f"round {r + 1}: " + ", ".join([f"{n} {results[n][-1]:.0f}" for n in done] + ratios))
     report(args, train_args, names, baseline, results, failed)
 
 

@@ -273,7 +273,7 @@ class Trainer:
             self.record(memory=fields, rank=rank)
         most = {key: max(m[key] for m in memory) / 2**20 for key in memory[0] if key.endswith("_bytes")}
         self.log(
-            "memory, MiB, the most on any rank: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
+            "memory per rank, MiB, the largest: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
             "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
             + f" ({memory[0]['peak_kind']})"
         )
