@@ -30,15 +30,20 @@ VARIANTS = {
     "ddp_2_processes_1_thread": (2, 1),
 }
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
-# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), or an "error: ..." message;
-# torchrun's own ChildFailedError only says that a worker failed
+# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message, a
+# C++ exception's what(), or else torchrun's summary of a worker's exit code (its ChildFailedError says less)
 ERROR_RE = re.compile(
-    r"^(?:\[rank\d+\]: )?((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\berror: .*)$"
+    r"^(?:\[rank\d+\]: )?((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
 )
+EXITCODE_RE = re.compile(r"^(exitcode\s*: -?\d+)")
 
 
 class TrainingFailed(RuntimeError):
-    """A training run that ended badly; the message is the last line it printed."""
+    """A failed training run: the message is its error's last line, .output the end of its output."""
+
+    def __init__(self, message, output=""):
+        super().__init__(message)
+        self.output = output[-3000:]
 
 
 def strategies():
@@ -82,7 +87,8 @@ def run_training(
     if proc.returncode != 0:
         lines = [line.strip() for line in output.splitlines() if line.strip()]
         errors = [m.group(1) for m in map(ERROR_RE.match, lines) if m]
-        raise TrainingFailed(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1]}")
+        errors = errors or [f"a worker's {m.group(1)}" for m in map(EXITCODE_RE.match, lines) if m]
+        raise TrainingFailed(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1]}", output)
     return [json.loads(line) for line in metrics.read_text().splitlines()], output
 
 
@@ -155,7 +161,7 @@ def main():
                     )  # fmt: skip
                 except TrainingFailed as exc:
                     if args.strategies is None or name == baseline:
-                        sys.exit(f"{name} failed: {exc}")
+                        sys.exit(f"{exc.output}\n{name} failed: {exc}")
                     failed[name] = str(exc)
                     print(f"round {r + 1}: {name} failed: {exc}")
                     continue
