@@ -3,14 +3,12 @@ SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes kee
 minutes on 2 cores."""
 
 import http.server
-import importlib.util
 import json
 import os
 import pickle
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 
@@ -25,6 +23,7 @@ from conftest import (
     REPO,
     TORCHRUN,
     free_port,
+    import_gpt_module,
     load_snapshot,
     needs_gpu,
     run,
@@ -36,17 +35,6 @@ TRAIN = GPT / "train.py"
 TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
 TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
-
-
-def import_gpt_module(name):
-    sys.path.insert(0, str(GPT))
-    try:
-        spec = importlib.util.spec_from_file_location(f"gpt_{name}", GPT / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(GPT))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, run
+from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, import_gpt_module, run
 
 TOOL = REPO / "tools" / "memory.py"
 TINY = ["--n_layer", 1, "--n_head", 2, "--n_embd", 32, "--block_size", 16, "--batch_size", 4]
@@ -17,15 +17,9 @@ TINY = ["--n_layer", 1, "--n_head", 2, "--n_embd", 32, "--block_size", 16, "--ba
 
 def gpt_parameter_tensors(vocab_size):
     """The GPT of TINY's shape, built here: its parameters, the tied embedding and head weight once."""
-    import sys
-
-    sys.path.insert(0, str(EXAMPLES / "gpt"))
-    try:
-        from model import GPT, GPTConfig
-    finally:
-        sys.path.remove(str(EXAMPLES / "gpt"))
-    cfg = GPTConfig(vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16)
-    return list(GPT(cfg).parameters())
+    model = import_gpt_module("model")
+    cfg = model.GPTConfig(vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16)
+    return list(model.GPT(cfg).parameters())
 
 
 @pytest.fixture
@@ -121,13 +115,7 @@ def test_sharded_parameters_count_their_local_shard_only(tmp_path):
 
 
 def test_tied_weights_count_once_and_inner_optimizers_are_found():
-    import sys
-
-    sys.path.insert(0, str(EXAMPLES / "gpt"))
-    try:
-        from memory import MemoryMeter
-    finally:
-        sys.path.remove(str(EXAMPLES / "gpt"))
+    meter_module = import_gpt_module("memory")
     embed, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     model = torch.nn.Sequential(embed, head)
@@ -142,7 +130,7 @@ def test_tied_weights_count_once_and_inner_optimizers_are_found():
             self.optim.step()
 
     optimizer = Wrapper(model.parameters())
-    meter = MemoryMeter(model, optimizer)
+    meter = meter_module.MemoryMeter(model, optimizer)
     model(torch.tensor([[1, 2]])).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
