@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu torchrun multinode accelerate diff doctor test lint pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate diff doctor test lint pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -38,8 +38,8 @@ SHELL := bash
 #   NODE0_NPROC=2 NODE1_NPROC=1 for uneven nodes, LINK_RATE=100mbit [LINK_DELAY=5ms] for a slower link.
 #   They run the Compose project of `docker compose up` (named ddp in compose.yaml): `make two-node-down`
 #   and `docker compose down --volumes` remove the same containers, network and snapshot volume.
-# make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, torchrun, multinode,
-#                                      accelerate) inside $(IMAGE) instead of $(VENV)
+# make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, dataparallel, torchrun,
+#                                      multinode, accelerate) inside $(IMAGE) instead of $(VENV)
 IMAGE ?= ddp-examples:latest
 BASE_IMAGE ?=
 LOCAL_BASE ?= local/ddp-base:bookworm
@@ -61,7 +61,7 @@ PY := $(RUN_PREFIX) python
 TORCHRUN := $(RUN_PREFIX) torchrun
 # No local environment: the $(ENV) rule below then has no target and is ignored; the steps need the image.
 ENV :=
-single_gpu multigpu torchrun multinode accelerate: image
+single_gpu multigpu dataparallel torchrun multinode accelerate: image
 endif
 # $(call two_node,FILES): both nodes to the end; the exit status is node0's. A finished job's containers
 # and volume are removed, so the next run starts fresh; a failed job's volume is kept, so the next run
@@ -93,6 +93,9 @@ single_gpu: $(ENV) ## step 1: one device (GPU, else CPU)
 multigpu: $(ENV) ## step 2: DDP with mp.spawn, NPROC processes on this machine
 	$(call step,multigpu)
 
+dataparallel: $(ENV) ## step 2 the old way: nn.DataParallel, one process over every GPU (needs 2 or more)
+	$(call step,multigpu_dataparallel)
+
 torchrun: $(ENV) ## step 3: DDP launched by torchrun, resumes from snapshots
 	$(call step,multigpu_torchrun)
 
@@ -104,14 +107,17 @@ accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
-	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; true
+	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; \
+	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
 # ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
 # make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
 # make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
+# make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each --parallel strategy, vs the theory
 GPT_ARGS ?=
 GPT_BENCH_ARGS ?=
-.PHONY: gpt bench-gpt
+MEMORY_ARGS ?=
+.PHONY: gpt bench-gpt memory
 
 gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
@@ -119,6 +125,9 @@ gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); r
 
 bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+
+memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each --parallel strategy
+	$(PY) tools/memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)
 # ==== end GPT ============================================================================================
 
 # ---- Docker and two nodes (variables above) ----
@@ -152,9 +161,10 @@ BENCH_ARGS ?=
 ALLREDUCE_ARGS ?=
 BENCH_OUT ?= bench-results
 
-bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 process): ratios in one run
+bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 process, each strategy vs ddp)
 	$(PY) tools/bench.py --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+	$(PY) tools/bench_gpt.py --strategies --rounds 2 --steps 40 --out $(BENCH_OUT)/gpt-strategies.json $(GPT_BENCH_ARGS)
 
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) tools/allreduce_bench.py \

@@ -1,5 +1,6 @@
 """Shared helpers for the test suite: paths, running commands with a bound, reading the examples' output."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -130,6 +131,19 @@ def need(available, reason, require_var):
 def example_cmd(name, *args, nproc=2, script=None):
     """The command that starts an example the way it is meant to be started (plain, spawn or torchrun)."""
     return steps.command(name, args, nproc=nproc, script=script, root=REPO)[0]
+
+
+def import_gpt_module(name):
+    """examples/gpt/NAME.py as a module of its own (gpt_NAME), its imports found beside it."""
+    folder = str(EXAMPLES / "gpt")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpt_{name}", EXAMPLES / "gpt" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(folder)
 
 
 def load_snapshot(path):

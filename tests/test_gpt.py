@@ -3,14 +3,12 @@ SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes kee
 minutes on 2 cores."""
 
 import http.server
-import importlib.util
 import json
 import os
 import pickle
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 
@@ -25,6 +23,7 @@ from conftest import (
     REPO,
     TORCHRUN,
     free_port,
+    import_gpt_module,
     load_snapshot,
     needs_gpu,
     run,
@@ -36,17 +35,6 @@ TRAIN = GPT / "train.py"
 TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
 TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
-
-
-def import_gpt_module(name):
-    sys.path.insert(0, str(GPT))
-    try:
-        spec = importlib.util.spec_from_file_location(f"gpt_{name}", GPT / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(GPT))
 
 
 @pytest.fixture(scope="module")
@@ -365,3 +353,27 @@ def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache
     ratio = float(re.search(r"ratio ddp/one \(goal >= 0.95\) ([0-9.]+)", proc.stdout).group(1))
     report = json.loads((tmp_path / "gpt.json").read_text())
     assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and ratio > 0
+
+
+def test_the_benchmark_compares_every_strategy_with_ddp_at_the_same_global_batch(tmp_path, cache):
+    choices = next(
+        a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
+    ).choices
+    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", "--strategies", "--rounds", 1, "--steps", 4]
+    cmd += ["--log_every", 2, "--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "s.json", "--"]
+    cmd += ["--n_layer", 2, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
+    proc = run(cmd, timeout=600)  # a strategy at another global batch would end it with an error
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert not report["failed"], report["failed"]
+    assert list(report["tokens_per_s"]) == list(choices) and all(report["tokens_per_s"].values())
+    assert "on 2 CPU cores these show overheads, not speedups" in proc.stdout
+    for name in choices:
+        if name != "ddp":
+            ratio = float(re.search(rf"^  {name}/ddp ([0-9.]+)$", proc.stdout, re.M).group(1))
+            assert report["ratio_to_ddp"][name] == pytest.approx(ratio, abs=1e-3)
+
+
+def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
+    proc = run([PYTHON, REPO / "tools" / "bench_gpt.py", "--strategies", "nope"], timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--strategies: unknown ['nope']; train.py's --parallel choices: ['ddp'" in proc.stdout

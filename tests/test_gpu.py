@@ -68,6 +68,21 @@ def test_ddp_with_nccl_equals_one_gpu_with_the_global_batch(runs, name):
     assert logs[name].losses == pytest.approx(logs["single_gpu"].losses, rel=1e-3)
 
 
+@pytest.mark.skipif(GPUS < 2, reason="DataParallel needs 2 or more GPUs")
+def test_dataparallel_equals_one_gpu_with_the_same_batch(runs, tmp_path):
+    folder, logs = runs
+    log = train("multigpu_dataparallel", tmp_path, EPOCHS, 2, "--batch_size", BATCH * GPUS, *COMMON)
+    log.assert_trained(1, factor=10)  # one process
+    snapshot = tmp_path / "multigpu_dataparallel_snapshot.pt"
+    assert devices(snapshot) == {"cuda"}
+    expected = load_snapshot(folder / "single_gpu" / "single_gpu_snapshot.pt")["MODEL_STATE"]
+    actual = load_snapshot(snapshot)["MODEL_STATE"]
+    assert actual.keys() == expected.keys()  # the plain model's names: model.module was saved
+    for key, tensor in expected.items():  # the GPUs' gradients are summed in another order
+        torch.testing.assert_close(actual[key], tensor, rtol=1e-4, atol=1e-5)
+    assert log.losses == pytest.approx(logs["single_gpu"].losses, rel=1e-3)
+
+
 def test_resume_on_the_gpus_ends_where_an_uninterrupted_run_ends(runs, tmp_path):
     folder, logs = runs
     args = ["--batch_size", BATCH, *COMMON]

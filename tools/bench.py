@@ -44,13 +44,18 @@ class Variant:
     ranks: int
     about: str
     script: Path | None = None  # another script than the step's example (the tutorial's loop)
+    one_process: bool = False  # one process drives all `ranks` GPUs (DataParallel)
+
+    @property
+    def processes(self):
+        return 1 if self.one_process else self.ranks
 
     def command(self, args):
         nproc = self.ranks // 2 if self.step == "multinode" else self.ranks  # per node
         return steps.command(self.step, args, nproc=nproc, script=self.script, root=REPO)
 
 
-def make_variants(nproc):
+def make_variants(nproc, gpus=0):
     tutorial = REPO / "tools" / "tutorial_loop.py"
     variants = [
         Variant("plain", "single_gpu", 1, "single_gpu.py, one process, all cores"),
@@ -61,6 +66,18 @@ def make_variants(nproc):
         variants += [
             Variant("spawn", "multigpu", nproc, "multigpu.py, mp.spawn"),
             Variant("torchrun", "multigpu_torchrun", nproc, "multigpu_torchrun.py"),
+        ]
+        if gpus >= 2 and nproc == gpus:  # DataParallel takes every visible GPU
+            variants.append(
+                Variant(
+                    "dataparallel",
+                    "multigpu_dataparallel",
+                    gpus,
+                    "nn.DataParallel, one process",
+                    one_process=True,
+                )
+            )
+        variants += [
             Variant("accelerate", "multigpu_accelerate", nproc, "multigpu_accelerate.py"),
         ]
         if nproc % 2 == 0:
@@ -78,6 +95,7 @@ RATIOS = [
     ("torchrun", "plain", "N ranks vs one process with all cores", {"vision": 0.9}),
     ("two_nodes", "torchrun", "two local nodes vs one node, same ranks", {}),
     ("spawn", "torchrun", "mp.spawn vs torchrun", {}),
+    ("dataparallel", "torchrun", "nn.DataParallel (one process, threads) vs DDP, same GPUs", {}),
 ]
 
 
@@ -89,11 +107,13 @@ def run_variant(variant, workload, settings, folder, timeout):
     (folder / "snapshot.pt").unlink(missing_ok=True)
     epochs = settings["epochs"]
     args = [epochs, epochs, "--dataset_size", settings[f"{workload}_size"], "--seed", settings["seed"]]
-    args += ["--batch_size", settings["global_batch"] // variant.ranks]
+    args += ["--batch_size", settings["global_batch"] // variant.processes]
     args += ["--snapshot_path", folder / "snapshot.pt", "--metrics_path", metrics]
     if variant.name != "tutorial":
         args += ["--workload", workload]
-    threads = max(1, settings["cores"] // variant.ranks)  # every rank, both "nodes" too, on this machine
+    threads = max(
+        1, settings["cores"] // variant.processes
+    )  # every process, both "nodes" too, on this machine
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log = folder / "output.log"
     procs = []
@@ -340,7 +360,7 @@ def main(argv=None):
             least = "2 or more (the first epoch is not measured)" if key == "epochs" else "positive"
             parser.error(f"--{key} must be {least}, got {value}")
     machine = describe_machine()
-    variants = make_variants(args.nproc or len(machine["gpus"]) or 2)
+    variants = make_variants(args.nproc or len(machine["gpus"]) or 2, len(machine["gpus"]))
     if args.variants:
         unknown = set(args.variants) - {v.name for v in variants}
         if unknown:

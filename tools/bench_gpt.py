@@ -4,11 +4,18 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python tools/bench_gpt.py                      # the cpu preset, 3 rounds
     python tools/bench_gpt.py --rounds 5 --steps 100 --out bench-results/gpt.json
     python tools/bench_gpt.py -- --n_layer 2 --n_embd 32 --block_size 32    # options for train.py
+    python tools/bench_gpt.py --strategies         # every --parallel strategy on 2 CPU ranks, vs ddp
+    python tools/bench_gpt.py --strategies ddp zero
+
+The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
+larger batch per process (parallel.data_parallel_layout says how many data-parallel shares there are).
+tools/memory.py starts its trainings through run_training() below.
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -16,32 +23,101 @@ import tempfile
 from pathlib import Path
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
+sys.path.insert(0, str(TRAIN.parent))  # config and parallel: train.py's options and strategies
 VARIANTS = {
     # name: (processes, threads per process)
     "one_process_2_threads": (1, 2),
     "ddp_2_processes_1_thread": (2, 1),
 }
+GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
+# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message, a
+# C++ exception's what(), or else torchrun's summary of a worker's exit code (its ChildFailedError says less)
+ERROR_RE = re.compile(
+    r"^(?:\[rank\d+\]: )?((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
+)
+EXITCODE_RE = re.compile(r"^(exitcode\s*: -?\d+)")
 
 
-def run_variant(name, args, train_args, work):
-    procs, threads = VARIANTS[name]
+class TrainingFailed(RuntimeError):
+    """A failed training run: the message is its error's last line, .output the end of its output."""
+
+    def __init__(self, message, output=""):
+        super().__init__(message)
+        self.output = output[-3000:]
+
+
+def strategies():
+    """The --parallel choices of train.py, in the order it lists them."""
+    from config import get_parser
+
+    return list(next(a for a in get_parser()._actions if a.dest == "parallel").choices)
+
+
+def data_parallel_shares(strategy, procs, train_args):
+    """How many shares of each global batch `procs` processes of this strategy take."""
+    import parallel
+    from config import parse_args
+
+    _, args = parse_args(["--parallel", strategy, *train_args])
+    return parallel.data_parallel_layout(args, 0, procs)[1]
+
+
+def run_training(
+    name, procs, threads, train_args, work, *, steps, cache_dir, limit, log_every=None, cpu=True
+):
+    """train.py for `steps` steps on `procs` processes (torchrun when more than one), on the CPU unless cpu
+    is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last line).
+    """
     metrics = work / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable]
     if procs > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    cmd += [TRAIN, "--max_steps", args.steps, "--batch_size", args.global_batch // procs]
-    cmd += ["--log_every", args.log_every, "--eval_every", args.steps, "--eval_samples", 16]
-    cmd += ["--sample_chars", 0, "--save_every", args.steps, "--metrics_path", metrics]
-    cmd += ["--snapshot_path", work / f"{name}.pt", "--cache_dir", args.cache_dir, *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=args.limit)
-    (work / f"{name}.pt").unlink(missing_ok=True)
+    cmd += [TRAIN, "--max_steps", steps, "--log_every", log_every or steps, "--eval_every", steps]
+    cmd += ["--eval_samples", 16, "--sample_chars", 0, "--save_every", steps, "--metrics_path", metrics]
+    cmd += ["--snapshot_path", work / f"{name}.pt", "--cache_dir", cache_dir, *train_args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+    try:
+        proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        raise TrainingFailed(f"no end within {limit:.0f} s") from exc
+    finally:
+        (work / f"{name}.pt").unlink(missing_ok=True)
+    output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        errors = [m.group(1) for m in map(ERROR_RE.match, lines) if m]
+        errors = errors or [f"a worker's {m.group(1)}" for m in map(EXITCODE_RE.match, lines) if m]
+        raise TrainingFailed(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1]}", output)
+    return [json.loads(line) for line in metrics.read_text().splitlines()], output
+
+
+def tokens_per_s(records):
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first interval warms up
     return statistics.mean(rates)
+
+
+def plan(args, train_args, parser):
+    """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
+    if args.strategies is None:
+        batch = {name: ["--batch_size", args.global_batch // procs] for name, (procs, _) in VARIANTS.items()}
+        variants = {name: (*VARIANTS[name], batch[name]) for name in VARIANTS}
+        return variants, "one_process_2_threads"
+    known = strategies()
+    chosen = args.strategies or known
+    unknown = [s for s in chosen if s not in known]
+    if unknown:
+        parser.error(f"--strategies: unknown {unknown}; train.py's --parallel choices: {known}")
+    if "ddp" not in chosen:
+        chosen = ["ddp", *chosen]  # the baseline
+    variants = {}
+    for s in chosen:
+        shares = data_parallel_shares(s, 2, train_args)
+        if args.global_batch % shares:
+            parser.error(f"--global_batch {args.global_batch} does not split into {shares} shares ({s})")
+        batch = ["--batch_size", args.global_batch // shares, "--parallel", s]
+        variants[s] = (2, 1, batch)
+    return variants, "ddp"
 
 
 def main():
@@ -50,6 +126,10 @@ def main():
     p.add_argument("--steps", type=int, default=60, help="steps per run (60)")
     p.add_argument("--log_every", type=int, default=10, help="steps per measured interval (10)")
     p.add_argument("--global_batch", type=int, default=64, help="sequences per step in all (64)")
+    p.add_argument(
+        "--strategies", nargs="*", metavar="NAME",
+        help="compare --parallel strategies at 2 CPU ranks instead (none named: all of them)",
+    )  # fmt: skip
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=900, help="seconds one run may take (900)")
     p.add_argument("--out", help="also write the results as JSON here")
@@ -63,38 +143,69 @@ def main():
     if args.global_batch % 2:
         p.error("--global_batch must be even, to split between 2 processes")
     if args.cache_dir is None:
-        sys.path.insert(0, str(TRAIN.parent))
         from config import default_cache_dir
 
         args.cache_dir = default_cache_dir()
-    names = list(VARIANTS)
-    results = {name: [] for name in names}
+    variants, baseline = plan(args, train_args, p)
+    names = list(variants)
+    results, failed = {name: [] for name in names}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
-            for name in order:
-                results[name].append(run_variant(name, args, train_args, Path(tmp)))
-            ratio = results[names[1]][-1] / results[names[0]][-1]
-            print(
-                f"round {r + 1}: "
-                + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names)
-                + f", ratio {ratio:.3f}"
-            )
+            for name in (n for n in order if n not in failed):
+                procs, threads, extra = variants[name]
+                try:
+                    records, output = run_training(
+                        name, procs, threads, [*extra, *train_args], Path(tmp), steps=args.steps,
+                        log_every=args.log_every, cache_dir=args.cache_dir, limit=args.limit,
+                    )  # fmt: skip
+                except TrainingFailed as exc:
+                    if args.strategies is None or name == baseline:
+                        sys.exit(f"{exc.output}\n{name} failed: {exc}")
+                    failed[name] = str(exc)
+                    print(f"round {r + 1}: {name} failed: {exc}")
+                    continue
+                batch = int(GLOBAL_BATCH_RE.search(output).group(1))
+                if batch != args.global_batch:
+                    sys.exit(f"{name} ran at global batch {batch}, not {args.global_batch}")
+                results[name].append(tokens_per_s(records))
+            done = [n for n in names if n not in failed]
+            ratios = [
+                f"{n}/{baseline} {results[n][-1] / results[baseline][-1]:.3f}" for n in done if n != baseline
+            ]
+            print(f"round {r + 1}: " + ", ".join([f"{n} {results[n][-1]:.0f}" for n in done] + ratios))
+    report(args, train_args, names, baseline, results, failed)
+
+
+def report(args, train_args, names, baseline, results, failed):
     print(f"global batch {args.global_batch}, {args.steps} steps per run, {args.rounds} round(s); tokens/s:")
     for name in names:
         values = results[name]
+        if name in failed:
+            print(f"  {name:26s} failed: {failed[name]}")
+            continue
         std = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"  {name:26s} {statistics.mean(values):10.0f} ± {std:.0f}")
-    ratio = statistics.mean(results[names[1]]) / statistics.mean(results[names[0]])
-    print(f"  ratio ddp/one (goal >= 0.95) {ratio:.3f}")
+    base = statistics.mean(results[baseline])
+    ratios = {n: statistics.mean(results[n]) / base for n in names if n != baseline and n not in failed}
+    if args.strategies is None:
+        ratio = ratios["ddp_2_processes_1_thread"]
+        print(f"  ratio ddp/one (goal >= 0.95) {ratio:.3f}")
+    else:
+        print(
+            "tokens/s of each strategy / ddp's, 2 ranks; on 2 CPU cores these show overheads, not speedups:"
+        )
+        for name, value in ratios.items():
+            print(f"  {name}/ddp {value:.3f}")
+        if not ratios:
+            print("  (ddp alone ran: nothing to compare)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        report = {
-            "settings": {**vars(args), "train_args": train_args},
-            "tokens_per_s": results,
-            "ratio": ratio,
-        }
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        out = {"settings": {**vars(args), "train_args": train_args}, "tokens_per_s": results}
+        out.update(
+            {"ratio": ratio} if args.strategies is None else {"ratio_to_ddp": ratios, "failed": failed}
+        )
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import threading
 STEPS = {
     "single_gpu": "python",
     "multigpu": "spawn",
+    "multigpu_dataparallel": "python",  # one process, threads over every GPU
     "multigpu_torchrun": "torchrun",
     "multinode": "nodes",
     "multigpu_accelerate": "torchrun",

@@ -13,6 +13,7 @@ import parallel
 import torch
 import torch.distributed as dist
 from config import MODEL_KEYS
+from memory import MemoryMeter
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
@@ -237,6 +238,7 @@ class Trainer:
             f"{dtype} | global batch {self.global_batch} x {a.block_size} tokens"
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
+        meter = MemoryMeter(self.model, self.optimizer)
         loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < a.max_steps:
             loss_sum += self.train_step()
@@ -258,7 +260,7 @@ class Trainer:
             clock += time.perf_counter() - paused
             if steps == 0:
                 clock = time.perf_counter()
-        self.finish()
+        self.finish(meter)
 
     def log_interval(self, loss, steps, seconds):
         """One line (and one metrics record) for the steps since the last one, nanoGPT style."""
@@ -274,7 +276,16 @@ class Trainer:
         fields.update(step_ms=seconds / steps * 1000, world_size=self.world)
         self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
 
-    def finish(self):
+    def finish(self, meter):
+        memory = all_ranks(meter.report(self.device))
+        for rank, fields in enumerate(memory):
+            self.record(memory=fields, rank=rank)
+        most = {key: max(m[key] for m in memory) / 2**20 for key in memory[0] if key.endswith("_bytes")}
+        self.log(
+            "memory per rank, MiB, the largest: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
+            "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
+            + f" ({memory[0]['peak_kind']})"
+        )
         # whole parameters (shards gathered) compared with process 0's: replicas must not have drifted apart
         same = ranks_equal_to_rank0(parallel.full_parameters(self.raw))
         if same != self.world:
