@@ -55,9 +55,9 @@ def peak_flops(args, device):
     return None
 
 
-def weights_sha256(model):
+def weights_sha256(tensors):
     digest = hashlib.sha256()
-    for tensor in model.parameters():
+    for tensor in tensors:
         t = tensor.detach().cpu().contiguous()
         digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return digest.hexdigest()[:12]
@@ -84,6 +84,14 @@ class Trainer:
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         torch.manual_seed(args.seed)  # the same initial weights in every process
         self.raw = GPT(model_config(args, len(self.vocab))).to(device)
+        self.params, self.flops_per_token = (
+            parameter_count(self.raw),
+            flops_per_token(self.raw),
+        )  # whole model
+        model = torch.compile(self.raw) if args.compile else self.raw
+        self.model = parallel.parallelize(
+            model, args, device
+        )  # tp and pp change self.raw: before the optimizer
         self.dtype = resolve_dtype(args.dtype, device)
         self.optimizer = torch.optim.AdamW(
             optimizer_groups(self.raw, args.weight_decay),
@@ -93,23 +101,25 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.step = 0
-        torch.manual_seed(args.seed + 1 + rank)  # dropout: a different stream in every process
+        # dropout: a different stream for every share of the batch; processes that split one model draw alike
+        torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
             self.restore(snapshot)
-        model = torch.compile(self.raw) if args.compile else self.raw
-        self.model = parallel.parallelize(model, args, device)
-        self.flops_per_token = flops_per_token(self.raw)
         self.peak = peak_flops(args, device)
 
     # ---- snapshots -----------------------------------------------------------------------------------
     def state(self):
         """Everything a resumed run needs to continue exactly; the data position is the step itself."""
         rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
+        if parallel.split_model(self.args):  # the parts gathered, on rank 0 (a collective)
+            model, optimizer = parallel.whole_state(self.raw, self.optimizer) or (None, None)
+        else:
+            model, optimizer = self.raw.state_dict(), self.optimizer.state_dict()
         return {
             "config": snapshot_config(self.args, self.vocab),
             "vocab": self.vocab,
-            "model": self.raw.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "seed": self.args.seed,
@@ -121,8 +131,11 @@ class Trainer:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
 
     def restore(self, snapshot):
-        self.raw.load_state_dict(snapshot["model"])
-        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if parallel.split_model(self.args):  # each process takes its parts
+            parallel.load_whole_state(self.raw, self.optimizer, snapshot["model"], snapshot["optimizer"])
+        else:
+            self.raw.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
         rng = snapshot["rng"]
@@ -131,7 +144,7 @@ class Trainer:
             if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
         else:
-            torch.manual_seed(self.args.seed + 1 + self.rank + self.step * self.world)
+            torch.manual_seed(self.args.seed + 1 + self.dp_rank + self.step * self.dp_world)
         if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
             self.log(
                 f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
@@ -167,6 +180,10 @@ class Trainer:
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
+            if isinstance(self.model, parallel.Pipeline):  # the schedule runs forward and backward
+                with self.autocast():
+                    loss_sum += self.model.step(x, y)
+                continue
             last = micro == a.grad_accum - 1
             # no_sync: gradients add up locally; only the last micro-batch's backward all-reduces them
             sync = nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
@@ -177,7 +194,7 @@ class Trainer:
             loss_sum += loss.detach()
         if a.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
-            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), a.grad_clip)
+            parallel.clip_grad_norm_(self.raw, a.grad_clip, a)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,7 +212,8 @@ class Trainer:
         for chunk in mine.split(a.batch_size):
             x, y = data.gather(self.val_data, chunk, a.block_size)
             with self.autocast():
-                _, loss = self.raw(x, y)
+                pipeline = isinstance(self.model, parallel.Pipeline)
+                loss = self.model.loss(x, y) if pipeline else self.raw(x, y)[1]
             totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
         if dist.is_initialized():
             dist.all_reduce(totals)
@@ -221,7 +239,7 @@ class Trainer:
 
     def train(self):
         a = self.args
-        params, dtype = parameter_count(self.raw) / 1e6, str(self.dtype).removeprefix("torch.")
+        params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
             f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
             f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
@@ -266,24 +284,31 @@ class Trainer:
         self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
 
     def finish(self):
-        digests = all_ranks(weights_sha256(self.raw))
+        what, tensors = parallel.replicas(self.raw, self.args)  # pp: only the first and last stage hold some
+        digests = [d for d in all_ranks(weights_sha256(tensors) if tensors else None) if d is not None]
         if len(set(digests)) != 1:
-            raise RuntimeError(f"final weights differ across processes: {digests}")
+            raise RuntimeError(f"{what} differ across processes: {digests}")
         self.log(
-            f"final weights sha256 {digests[0]}"
-            + (f" identical on {self.world} ranks" if self.world > 1 else "")
+            f"{what} sha256 {digests[0]}" + (f" identical on {len(digests)} ranks" if self.world > 1 else "")
         )
-        if self.rank == 0 and self.args.sample_chars:
-            self.log("sample:\n" + self.sample(self.args.sample_chars))
+        if self.args.sample_chars:
+            model = self.raw
+            if parallel.split_model(self.args):  # rank 0 gathers the whole model and generates alone
+                whole = parallel.whole_state(self.raw, self.optimizer)
+                if whole is not None:
+                    model = GPT(self.raw.cfg).to(self.device)
+                    model.load_state_dict(whole[0])
+            if self.rank == 0:
+                self.log("sample:\n" + self.sample(model, self.args.sample_chars))
 
-    def sample(self, count):
-        self.raw.eval()
+    def sample(self, model, count):
+        model.eval()
         start = self.vocab.index("\n") if "\n" in self.vocab else 0
         idx = torch.tensor([[start]], device=self.device)
         gen = torch.Generator().manual_seed(self.args.seed)
         with self.autocast():
-            out = self.raw.generate(idx, count, top_k=40, generator=gen)
-        self.raw.train()
+            out = model.generate(idx, count, top_k=40, generator=gen)
+        model.train()
         return data.decode(out[0, 1:].tolist(), self.vocab)
 
 
