@@ -116,10 +116,10 @@ class Pipeline:
             self.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             self.schedule.step()
-        # One process sums the gradients of the shared weight's two uses (reading tokens in, scoring them
-        # out) into one gradient. Here each use lives on its own stage, so each copy has half the sum: adding
-        # the two copies' gradients gives both the sum one process has, so both take the same optimizer step
-        # and stay equal.
+        # In one process the shared weight's gradient is the sum of its two uses' terms (reading tokens in,
+        # scoring them out). Here each use is on its own stage and each copy got one term: adding the two
+        # copies' gradients gives both the sum one process has, so both take the same optimizer step and
+        # stay equal.
         if self.first or self.last:
             weight = self.model.tok_emb.weight if self.first else self.model.head.weight
             dist.all_reduce(weight.grad, group=self.tied)

@@ -84,14 +84,11 @@ class Trainer:
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         torch.manual_seed(args.seed)  # the same initial weights in every process
         self.raw = GPT(model_config(args, len(self.vocab))).to(device)
-        self.params, self.flops_per_token = (
-            parameter_count(self.raw),
-            flops_per_token(self.raw),
-        )  # whole model
+        # the whole model's size, before tp or pp leave each process a part of it
+        self.params, self.flops_per_token = parameter_count(self.raw), flops_per_token(self.raw)
         model = torch.compile(self.raw) if args.compile else self.raw
-        self.model = parallel.parallelize(
-            model, args, device
-        )  # tp and pp change self.raw: before the optimizer
+        # before the optimizer: tp replaces parameters of self.raw, pp drops some
+        self.model = parallel.parallelize(model, args, device)
         self.dtype = resolve_dtype(args.dtype, device)
         self.optimizer = torch.optim.AdamW(
             optimizer_groups(self.raw, args.weight_decay),
