@@ -6,22 +6,25 @@ import re
 
 import pytest
 from conftest import TORCHRUN, load_snapshot, run
-from test_gpt import TINY, TRAIN, VAL_RE, assert_identical, cache, import_gpt_module, max_diff, train  # noqa: F401
+from test_gpt import TRAIN, VAL_RE, assert_identical, cache, import_gpt_module, max_diff, train  # noqa: F401
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two
-RUN = ["--n_layer", 3, "--max_steps", 40, "--batch_size", 16, "--eval_every", 20, "--save_every", 40]
+RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
 
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, cache):  # noqa: F811
+    """One process, 40 steps, stopped at 20 (resuming is exact, as test_gpt.py shows): (folder, output)."""
     cwd = tmp_path_factory.mktemp("one")
-    return cwd, train(cwd, cache, *RUN).stdout
+    out = train(cwd, cache, *RUN, "--max_steps", 20).stdout
+    (cwd / "step20.pt").write_bytes((cwd / "gpt_snapshot.pt").read_bytes())
+    return cwd, out + train(cwd, cache, *RUN).stdout
 
 
 def assert_matches_one_process(cwd, out, one):
     mine, ref = load_snapshot(cwd / "gpt_snapshot.pt"), load_snapshot(one[0] / "gpt_snapshot.pt")
     assert mine["model"].keys() == ref["model"].keys()
-    # float summation order, amplified by Adam: 1e-6 measured (tp and pp alike) after 40 steps
+    # float summation order, amplified by Adam: 1e-6 to 3e-6 measured (tp, pp) after 40 steps
     assert max_diff(mine["model"], ref["model"]) < 1e-4
     # the optimizer state as one process holds it, so any strategy resumes from it
     assert mine["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
@@ -29,8 +32,7 @@ def assert_matches_one_process(cwd, out, one):
         assert max_diff(mine["optimizer"]["state"][i], state) < 1e-4
     val = {int(s): float(v) for s, v in VAL_RE.findall(out)}
     ref_val = {int(s): float(v) for s, v in VAL_RE.findall(one[1])}
-    assert val.keys() == ref_val.keys() == {20, 40}
-    assert all(abs(val[s] - ref_val[s]) < 1e-3 for s in val), (val, ref_val)
+    assert 40 in val and all(abs(val[s] - ref_val[s]) < 1e-3 for s in val), (val, ref_val)
     assert "sample:" in out
 
 
@@ -41,11 +43,26 @@ def test_tp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, c
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-@pytest.mark.parametrize(("nproc", "schedule"), [(2, "gpipe"), (2, "1f1b"), (3, "1f1b")])
-def test_pp_equals_one_process_with_the_same_global_batch(tmp_path, cache, one, nproc, schedule):  # noqa: F811
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, cache, one, schedule):  # noqa: F811
     args = ["--parallel", "pp", "--pp_schedule", schedule, "--pp_microbatches", 4]
-    proc = train(tmp_path, cache, *RUN, *args, nproc=nproc)
+    proc = train(tmp_path, cache, *RUN, *args, nproc=2)
     # the first and the last stage end with the same copy of the token embedding (also the head)
+    assert re.search(
+        r"^final token embedding \(also the head\) sha256 \w+ identical on 2 ranks$", proc.stdout, re.M
+    )
+    assert_matches_one_process(tmp_path, proc.stdout, one)
+
+
+def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process_does(
+    tmp_path,
+    cache,  # noqa: F811
+    one,
+):
+    # snapshots hold the whole model as one process does, so any strategy resumes from any other's
+    (tmp_path / "gpt_snapshot.pt").write_bytes((one[0] / "step20.pt").read_bytes())
+    proc = train(tmp_path, cache, *RUN, "--parallel", "pp", "--pp_microbatches", 2, nproc=3)
+    assert "resuming from gpt_snapshot.pt at step 20" in proc.stdout, proc.stdout[-2000:]
     assert re.search(
         r"^final token embedding \(also the head\) sha256 \w+ identical on 2 ranks$", proc.stdout, re.M
     )

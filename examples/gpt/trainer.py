@@ -122,6 +122,7 @@ class Trainer:
             "seed": self.args.seed,
             "global_batch": self.global_batch,
             "rng": rng,  # one entry per process
+            "parallel": self.args.parallel,  # whose processes drew those streams
         }
 
     def _cuda_rng(self):
@@ -136,7 +137,8 @@ class Trainer:
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
         rng = snapshot["rng"]
-        if len(rng) == self.world:  # same number of processes: each continues its own dropout stream
+        # same processes and strategy: each continues its own dropout stream (tp's processes draw alike)
+        if (len(rng), snapshot.get("parallel", "ddp")) == (self.world, self.args.parallel):
             torch.set_rng_state(rng[self.rank]["cpu"])
             if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
