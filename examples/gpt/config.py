@@ -4,6 +4,7 @@ import argparse
 import os
 
 import torch
+from parallel import SCHEDULES, STRATEGIES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -74,12 +75,12 @@ def get_parser():
     group.add_argument("--compile", action="store_true", help="torch.compile the model")
     group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
     group.add_argument(
-        "--parallel", choices=["ddp", "tp", "pp"], default="ddp",
+        "--parallel", choices=STRATEGIES, default="ddp",
         help="how processes share the work: ddp (a replica each), tp (every block's matrices split), "
         "pp (consecutive blocks each, a pipeline) (ddp)",
     )  # fmt: skip
     group.add_argument(
-        "--pp_schedule", choices=["gpipe", "1f1b"], default="1f1b",
+        "--pp_schedule", choices=SCHEDULES, default="1f1b",
         help="pp: all forwards then all backwards (gpipe), or interleaved, fewer activations held (1f1b)",
     )  # fmt: skip
     group.add_argument(

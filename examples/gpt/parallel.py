@@ -53,11 +53,12 @@ def pp(model, args, device):
     if rank < world - 1:
         model.ln_f = model.head = None
     stage = PipelineStage(Layers(model), rank, world, device)
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
-    return Pipeline(model, schedule(stage, args.pp_microbatches, loss_fn=cross_entropy))
+    schedule = SCHEDULES[args.pp_schedule](stage, args.pp_microbatches, loss_fn=cross_entropy)
+    return Pipeline(model, schedule)
 
 
 STRATEGIES = {"ddp": ddp, "tp": tp, "pp": pp}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # --pp_schedule
 SPLIT_MODEL = ("tp", "pp")  # the strategies whose processes hold parts of one model and read one batch
 
 
