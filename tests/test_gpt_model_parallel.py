@@ -61,7 +61,7 @@ def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process
 ):
     # snapshots hold the whole model as one process does, so any strategy resumes from any other's
     (tmp_path / "gpt_snapshot.pt").write_bytes((one[0] / "step20.pt").read_bytes())
-    proc = train(tmp_path, cache, *RUN, "--parallel", "pp", "--pp_microbatches", 2, nproc=3)
+    proc = train(tmp_path, cache, *RUN, "--parallel", "pp", "--pp_microbatches", 8, nproc=3)
     assert "resuming from gpt_snapshot.pt at step 20" in proc.stdout, proc.stdout[-2000:]
     assert re.search(
         r"^final token embedding \(also the head\) sha256 \w+ identical on 2 ranks$", proc.stdout, re.M
@@ -93,6 +93,7 @@ def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):  # noqa: F8
     [
         (3, ["--parallel", "pp", "--n_layer", "2"], "3 pipeline stages (WORLD_SIZE) but only 2 layers"),
         (2, ["--parallel", "pp", "--batch_size", "6"], "--pp_microbatches 4 does not divide --batch_size 6"),
+        (3, ["--parallel", "pp", "--pp_microbatches", "2"], "--pp_microbatches 2 for 3 stages (WORLD_SIZE)"),
         (2, ["--parallel", "pp", "--grad_accum", "2"], "--grad_accum 2: accumulate with --pp_microbatches"),
         (2, ["--parallel", "tp", "--n_head", "3", "--n_embd", "48"], "--n_head 3 does not divide into 2"),
         (2, ["--parallel", "tp", "--comm_hook", "bf16"], "--parallel tp has none"),

@@ -164,6 +164,11 @@ def model_parallel_checks(args):
                 f"{args.batch_size}",
             ),
             (
+                args.pp_schedule != "1f1b" or args.pp_microbatches >= world,
+                f"--parallel pp: --pp_schedule 1f1b needs at least one micro-batch per stage: "
+                f"--pp_microbatches {args.pp_microbatches} for {world} stages (WORLD_SIZE)",
+            ),
+            (
                 args.grad_accum == 1,
                 f"--parallel pp: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches instead",
             ),
