@@ -320,4 +320,5 @@ def snapshot_config(args, vocab):
     cfg = asdict(model_config(args, len(vocab)))
     del cfg["dropout"]  # may change between runs
     cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     return cfg
