@@ -4,7 +4,7 @@ import argparse
 import os
 
 import torch
-from parallel import SCHEDULES, STRATEGIES
+from parallel import SCHEDULES, SPLIT_MODEL, STRATEGIES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -138,7 +138,7 @@ def model_parallel_checks(args):
     """tp and pp split the model over the WORLD_SIZE processes that torchrun starts: sizes that do not
     divide are found here, before any process group forms."""
     world, how = int(os.environ.get("WORLD_SIZE", 1)), args.parallel
-    if how == "ddp":
+    if how not in SPLIT_MODEL:
         return []
     checks = [
         (not args.comm_hook, f"--comm_hook compresses DDP's gradient all-reduce; --parallel {how} has none"),
@@ -151,7 +151,7 @@ def model_parallel_checks(args):
                 f"--parallel tp: --n_head {args.n_head} does not divide into {world} processes (WORLD_SIZE)",
             )
         )
-    else:
+    if how == "pp":
         checks += [
             (
                 world <= args.n_layer,
