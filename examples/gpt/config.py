@@ -137,7 +137,7 @@ def parse_args(argv=None):
 def model_parallel_checks(args):
     """tp and pp split the model over the WORLD_SIZE processes that torchrun starts: sizes that do not
     divide are found here, before any process group forms."""
-    world, how = int(os.environ.get("WORLD_SIZE", 1)), args.parallel
+    world, how, cuda = int(os.environ.get("WORLD_SIZE", 1)), args.parallel, torch.cuda.is_available()
     if how not in SPLIT_MODEL:
         return []
     checks = [
@@ -173,8 +173,9 @@ def model_parallel_checks(args):
                 f"--parallel pp: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches instead",
             ),
             (
-                args.dtype != "fp16",
-                "--parallel pp: --dtype fp16 needs a gradient scaler, which pp lacks here",
+                args.dtype != "fp16" and (args.dtype != "auto" or not cuda or torch.cuda.is_bf16_supported()),
+                "--parallel pp: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient scaler, "
+                "which pp lacks here: pass --dtype fp32 or bf16",
             ),
         ]
     return checks
