@@ -4,7 +4,7 @@ import argparse
 import os
 
 import torch
-from parallel import SHARDED_SNAPSHOTS, STRATEGIES
+from parallel import SCHEDULES, SHARDED_SNAPSHOTS, SPLIT_MODEL, STRATEGIES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -28,7 +28,7 @@ PRESETS = {
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 POSITIVE = (
     "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
-    "eval_samples", "log_every", "grad_accum", "save_every", "timeout",
+    "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "pp_microbatches",
 )  # fmt: skip
 
 
@@ -77,8 +77,16 @@ def get_parser():
     group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
     group.add_argument(
         "--parallel", choices=STRATEGIES, default="ddp",
-        help="how processes share the work: ddp (replicas), zero (AdamW state split), fsdp (all split)",
+        help="how processes share the work: ddp (a replica each), zero (AdamW state split), fsdp (everything "
+        "split), tp (every block's matrices split), pp (consecutive blocks each, a pipeline) (ddp)",
     )  # fmt: skip
+    group.add_argument(
+        "--pp_schedule", choices=SCHEDULES, default="1f1b",
+        help="pp: all forwards then all backwards (gpipe), or interleaved, fewer activations held (1f1b)",
+    )  # fmt: skip
+    group.add_argument(
+        "--pp_microbatches", type=int, default=4, help="pp: micro-batches each batch is cut into (4)"
+    )
     group.add_argument(
         "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
     )
@@ -132,7 +140,54 @@ def parse_args(argv=None):
         ),
         (not (args.comm_hook and args.parallel == "fsdp"), "--comm_hook is for DDP: fsdp reduce-scatters"),
     ]
-    for ok, message in checks:
+    for ok, message in checks + model_parallel_checks(args):
         if not ok:
             parser.error(message)
     return parser, args
+
+
+def model_parallel_checks(args):
+    """tp and pp split the model over the WORLD_SIZE processes that torchrun starts: sizes that do not
+    divide are found here, before any process group forms."""
+    world, how, cuda = int(os.environ.get("WORLD_SIZE", 1)), args.parallel, torch.cuda.is_available()
+    if how not in SPLIT_MODEL:
+        return []
+    checks = [
+        (not args.comm_hook, f"--comm_hook compresses DDP's gradient all-reduce; --parallel {how} has none"),
+        (not args.compile, f"--compile is for --parallel ddp; --parallel {how} runs the model uncompiled"),
+    ]
+    if how == "tp":  # the MLP width, 4 * n_embd = 4 * n_head * head width, then divides too
+        checks.append(
+            (
+                args.n_head % world == 0,
+                f"--parallel tp: --n_head {args.n_head} does not divide into {world} processes (WORLD_SIZE)",
+            )
+        )
+    if how == "pp":
+        checks += [
+            (
+                world <= args.n_layer,
+                f"--parallel pp: {world} pipeline stages (WORLD_SIZE) but only {args.n_layer} layers "
+                "(--n_layer): at least one block per stage",
+            ),
+            (
+                args.batch_size % args.pp_microbatches == 0,
+                f"--parallel pp: --pp_microbatches {args.pp_microbatches} does not divide --batch_size "
+                f"{args.batch_size}",
+            ),
+            (
+                args.pp_schedule != "1f1b" or args.pp_microbatches >= world,
+                f"--parallel pp: --pp_schedule 1f1b needs at least one micro-batch per stage: "
+                f"--pp_microbatches {args.pp_microbatches} for {world} stages (WORLD_SIZE)",
+            ),
+            (
+                args.grad_accum == 1,
+                f"--parallel pp: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches instead",
+            ),
+            (
+                args.dtype != "fp16" and (args.dtype != "auto" or not cuda or torch.cuda.is_bf16_supported()),
+                "--parallel pp: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient scaler, "
+                "which pp lacks here: pass --dtype fp32 or bf16",
+            ),
+        ]
+    return checks

@@ -23,20 +23,23 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.head_width, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
+        # the fused projection's outputs are laid out head by head, each head's q, k, v together: a split of
+        # its rows into equal parts (tensor parallelism) hands every part whole heads
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        batch, length, width = x.shape
-        # (batch, length, 3 * width) -> three tensors of (batch, heads, length, head width)
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        batch, length, _ = x.shape
+        # (batch, length, heads * 3 * head width) -> three tensors of (batch, heads, length, head width); the
+        # head count comes from the tensor: a tensor-parallel process computes only its share of the heads
+        q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
         # is_causal: position t attends to positions <= t only, so later tokens never change earlier outputs
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).reshape(batch, length, width)
+        y = y.transpose(1, 2).reshape(batch, length, -1)
         return self.proj_dropout(self.proj(y))
 
 
@@ -71,7 +74,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # by name, "0" to "n_layer - 1": a pipeline stage keeps some of them under their own names
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
@@ -90,18 +94,21 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """Logits (batch, length, vocab) and, with targets, the mean cross-entropy over all positions."""
-        length = idx.shape[1]
-        if length > self.cfg.block_size:
-            raise ValueError(f"sequence of {length} tokens, longer than block_size {self.cfg.block_size}")
-        pos = torch.arange(length, device=idx.device)
-        x = self.dropout(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+        logits = self.layers(idx)
+        return logits, None if targets is None else cross_entropy(logits, targets)
+
+    def layers(self, x):
+        """Token ids through every part this module holds, in order: the whole model maps them to logits. A
+        pipeline stage (parallel.pp) holds some blocks and sets the parts it lacks to None: it maps what the
+        stage before it sends to what the next one receives."""
+        if self.tok_emb is not None:
+            length = x.shape[1]
+            if length > self.cfg.block_size:
+                raise ValueError(f"sequence of {length} tokens, longer than block_size {self.cfg.block_size}")
+            x = self.dropout(self.tok_emb(x) + self.pos_emb(torch.arange(length, device=x.device)))
+        for block in self.blocks.values():
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return x if self.head is None else self.head(self.ln_f(x))
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, *, temperature=0.8, top_k=None, generator=None):
@@ -117,6 +124,11 @@ class GPT(nn.Module):
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def cross_entropy(logits, targets):
+    """The mean loss over all positions, computed in float32 whatever the autocast type."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def parameter_count(model, non_embedding=True):
@@ -135,7 +147,7 @@ def flops_per_token(model):
 def optimizer_groups(model, weight_decay):
     """AdamW groups: weight decay on the matrices of linear layers; none on biases, norms and embeddings."""
     decay, no_decay = [], []
-    embeddings = {id(model.tok_emb.weight), id(model.pos_emb.weight)}
-    for param in model.parameters():
-        (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+    for name, param in model.named_parameters():  # by name: a pipeline stage may hold the head alone
+        embedding = name.split(".")[0] in ("tok_emb", "pos_emb", "head")  # the head is the token embedding
+        (decay if param.dim() >= 2 and not embedding else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -53,16 +53,12 @@ def peak_flops(args, device):
     return None
 
 
-def ranks_equal_to_rank0(tensors):
-    """How many processes hold exactly the tensors process 0 holds; a collective."""
-    if not dist.is_initialized():
-        return 1
-    mine = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
-    same = torch.tensor(float(rank0.equal(mine)), device=mine.device)
-    dist.all_reduce(same)
-    return int(same.item())
+def weights_sha256(tensors):
+    """A digest of the tensors' bytes, to compare processes' copies without sending the tensors."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def all_ranks(obj):
@@ -86,17 +82,20 @@ class Trainer:
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         torch.manual_seed(args.seed)  # the same initial weights in every process
         self.raw = GPT(model_config(args, len(self.vocab))).to(device)
-        self.dtype = resolve_dtype(args.dtype, device)
+        # the whole model's size, before tp or pp leave each process a part of it
+        self.params, self.flops_per_token = parameter_count(self.raw), flops_per_token(self.raw)
         model = torch.compile(self.raw) if args.compile else self.raw
+        # before the optimizer: tp and fsdp replace parameters of self.raw, pp drops some
         self.model = parallel.parallelize(model, args, device)
+        self.dtype = resolve_dtype(args.dtype, device)
         groups = optimizer_groups(self.raw, args.weight_decay)
         self.optimizer = parallel.make_optimizer(groups, args, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.step = 0
-        torch.manual_seed(args.seed + 1 + rank)  # dropout: a different stream in every process
+        # dropout: a different stream for every share of the batch; processes that split one model draw alike
+        torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
             self.restore(snapshot)
-        self.flops_per_token = flops_per_token(self.raw)
         self.peak = peak_flops(args, device)
 
     # ---- snapshots -----------------------------------------------------------------------------------
@@ -104,10 +103,16 @@ class Trainer:
         """Everything a resumed run needs to continue exactly; the data position is the step itself.
         weights=False: all but the model and optimizer, which a sharded snapshot holds in shards."""
         rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
-        weights = {
-            "model": self.raw.state_dict(),
-            "optimizer": parallel.full_optimizer_state(self.optimizer),  # a collective under zero
-        } if weights else {}  # fmt: skip
+        if not weights:
+            weights = {}
+        elif parallel.split_model(self.args):  # the parts gathered, on rank 0 (a collective)
+            model, optimizer = parallel.whole_state(self.raw, self.optimizer) or (None, None)
+            weights = {"model": model, "optimizer": optimizer}
+        else:  # a collective under zero, whose optimizer state is gathered on rank 0
+            weights = {
+                "model": self.raw.state_dict(),
+                "optimizer": parallel.full_optimizer_state(self.optimizer),
+            }
         return {
             "config": snapshot_config(self.args, self.vocab),
             "vocab": self.vocab,
@@ -117,6 +122,7 @@ class Trainer:
             "seed": self.args.seed,
             "global_batch": self.global_batch,
             "rng": rng,  # one entry per process
+            "parallel": self.args.parallel,  # whose processes drew those streams
         }
 
     def _cuda_rng(self):
@@ -125,18 +131,21 @@ class Trainer:
     def restore(self, snapshot):
         if "shards" in snapshot:  # a sharded snapshot: each process reads its own part
             checkpoint.load_sharded(snapshot["shards"], self.raw, self.optimizer)
+        elif parallel.split_model(self.args):  # each process takes its parts
+            parallel.load_whole_state(self.raw, self.optimizer, snapshot["model"], snapshot["optimizer"])
         else:
             self.raw.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
         rng = snapshot["rng"]
-        if len(rng) == self.world:  # same number of processes: each continues its own dropout stream
+        # same processes and strategy: each continues its own dropout stream (tp's processes draw alike)
+        if (len(rng), snapshot.get("parallel", "ddp")) == (self.world, self.args.parallel):
             torch.set_rng_state(rng[self.rank]["cpu"])
             if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
         else:
-            torch.manual_seed(self.args.seed + 1 + self.rank + self.step * self.world)
+            torch.manual_seed(self.args.seed + 1 + self.dp_rank + self.step * self.dp_world)
         if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
             self.log(
                 f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
@@ -175,6 +184,10 @@ class Trainer:
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
+            if isinstance(self.model, parallel.Pipeline):  # the schedule runs forward and backward
+                with self.autocast():
+                    loss_sum += self.model.step(x, y)
+                continue
             last = micro == a.grad_accum - 1
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
             with parallel.gradient_sync(self.model, last):
@@ -184,7 +197,7 @@ class Trainer:
             loss_sum += loss.detach()
         if a.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
-            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), a.grad_clip)
+            parallel.clip_grad_norm_(self.raw, a.grad_clip, a)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,7 +217,8 @@ class Trainer:
             chunk = mine[start : start + a.batch_size]
             x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size)
             with self.autocast():
-                _, loss = self.raw(x, y)
+                pipeline = isinstance(self.model, parallel.Pipeline)
+                loss = self.model.loss(x, y) if pipeline else self.raw(x, y)[1]
             if len(chunk):
                 totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
         if dist.is_initialized():
@@ -231,7 +245,7 @@ class Trainer:
 
     def train(self):
         a = self.args
-        params, dtype = parameter_count(self.raw) / 1e6, str(self.dtype).removeprefix("torch.")
+        params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
             f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
             f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
@@ -286,24 +300,32 @@ class Trainer:
             "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
             + f" ({memory[0]['peak_kind']})"
         )
-        # whole parameters (shards gathered) compared with process 0's: replicas must not have drifted apart
-        same = ranks_equal_to_rank0(parallel.full_parameters(self.raw))
-        if same != self.world:
-            raise RuntimeError(f"final weights differ: {same} of {self.world} processes equal process 0's")
+        # whole (fsdp: gathered) weights, or under tp and pp the ones processes share, compared by digest
+        what, tensors = parallel.replicas(self.raw, self.args)  # pp: only the first and last stage hold some
+        digests = [d for d in all_ranks(weights_sha256(tensors) if tensors else None) if d is not None]
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"{what} differ across processes: {digests}")
         if self.world > 1:
-            self.log(f"final weights identical on {self.world} ranks")
-        if self.args.sample_chars:  # generated in every process: a sharded model's forward is a collective
-            text = self.sample(self.args.sample_chars)
-            self.log("sample:\n" + text)
+            self.log(f"{what} identical on {len(digests)} ranks")
+        if self.args.sample_chars:
+            model = self.raw  # every process generates: a sharded (fsdp) model's forward is a collective
+            if parallel.split_model(self.args):  # rank 0 gathers the whole model and generates alone
+                whole = parallel.whole_state(self.raw, self.optimizer)
+                model = None if whole is None else GPT(self.raw.cfg).to(self.device)
+                if model is not None:
+                    model.load_state_dict(whole[0])
+            if model is not None:
+                text = self.sample(model, self.args.sample_chars)
+                self.log("sample:\n" + text)
 
-    def sample(self, count):
-        self.raw.eval()
+    def sample(self, model, count):
+        model.eval()
         start = self.vocab.index("\n") if "\n" in self.vocab else 0
         idx = torch.tensor([[start]], device=self.device)
         gen = torch.Generator().manual_seed(self.args.seed)
         with self.autocast():
-            out = self.raw.generate(idx, count, top_k=40, generator=gen)
-        self.raw.train()
+            out = model.generate(idx, count, top_k=40, generator=gen)
+        model.train()
         return data.decode(out[0, 1:].tolist(), self.vocab)
 
 
@@ -316,4 +338,5 @@ def snapshot_config(args, vocab):
     cfg = asdict(model_config(args, len(vocab)))
     del cfg["dropout"]  # may change between runs
     cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     return cfg
