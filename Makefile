@@ -112,6 +112,7 @@ diff: ## what each step adds to the previous one
 
 # ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
 # make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
+# make gpt GPT_ARGS="--parallel fsdp"       or zero, tp, "pp --pp_schedule gpipe": beyond DDP (docs/parallelism.md)
 # make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
 # make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each --parallel strategy, vs the theory
 GPT_ARGS ?=
@@ -186,7 +187,7 @@ pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3
 	  tools/requirements.in -o requirements.txt
 
 clean: ## remove snapshots, logs and caches
-	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt metrics.jsonl
+	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt gpt_snapshot metrics.jsonl
 
 distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)
