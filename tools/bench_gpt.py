@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,21 +69,23 @@ def run_training(
     """train.py for `steps` steps on `procs` processes (torchrun when more than one), on the CPU unless cpu
     is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last line).
     """
-    metrics = work / f"{name}.jsonl"
+    metrics, snapshot = work / f"{name}.jsonl", work / f"{name}-snapshot"  # fsdp's is a directory
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable]
     if procs > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     cmd += [TRAIN, "--max_steps", steps, "--log_every", log_every or steps, "--eval_every", steps]
     cmd += ["--eval_samples", 16, "--sample_chars", 0, "--save_every", steps, "--metrics_path", metrics]
-    cmd += ["--snapshot_path", work / f"{name}.pt", "--cache_dir", cache_dir, *train_args]
+    cmd += ["--snapshot_path", snapshot, "--cache_dir", cache_dir, *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     try:
         proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as exc:
         raise TrainingFailed(f"no end within {limit:.0f} s") from exc
     finally:
-        (work / f"{name}.pt").unlink(missing_ok=True)
+        if snapshot.is_dir():
+            shutil.rmtree(snapshot)
+        snapshot.unlink(missing_ok=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         lines = [line.strip() for line in output.splitlines() if line.strip()]

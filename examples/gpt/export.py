@@ -9,6 +9,7 @@ It runs in one process: every shard is read, so the whole model and optimizer st
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 import checkpoint
 import torch
@@ -20,8 +21,8 @@ def load_whole(snapshot_dir):
     state = checkpoint.load(snapshot_dir, {})
     if state is None:
         raise checkpoint.SnapshotError(f"{snapshot_dir} holds no complete snapshot")
-    config = {key: value for key, value in state["config"].items() if key != "vocab_sha256"}
-    model = GPT(GPTConfig(**config))
+    shape = {f.name for f in fields(GPTConfig)}  # the config also holds checks: vocabulary digest, layout
+    model = GPT(GPTConfig(**{key: value for key, value in state["config"].items() if key in shape}))
     # the groups as in training; their settings (lr, betas, weight decay) come from the snapshot
     optimizer = torch.optim.AdamW(optimizer_groups(model, 0.0))
     checkpoint.load_sharded(state.pop("shards"), model, optimizer)
