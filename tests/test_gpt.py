@@ -168,22 +168,28 @@ def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
 
 
 # ---- resume -----------------------------------------------------------------------------------------
-def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
-    # dropout on: the random streams must continue exactly too; the cosine ends at step 30 in both runs
-    args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 30, "--save_every", 7]
+def assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, stop, end, nproc=None):
+    """A run stopped at step `stop` and resumed to `end` ends with the model and optimizer state of one run
+    straight to `end`."""
     (tmp_path / "full").mkdir()
-    train(tmp_path / "full", cache, *args, "--max_steps", 30)
-    train(tmp_path, cache, *args, "--max_steps", 15)
-    proc = train(tmp_path, cache, *args, "--max_steps", 30)
-    assert "resuming from gpt_snapshot.pt at step 15" in proc.stdout, proc.stdout[-2000:]
+    train(tmp_path / "full", cache, *args, "--max_steps", end, nproc=nproc)
+    train(tmp_path, cache, *args, "--max_steps", stop, nproc=nproc)
+    proc = train(tmp_path, cache, *args, "--max_steps", end, nproc=nproc)
+    assert f"resuming from gpt_snapshot.pt at step {stop}" in proc.stdout, proc.stdout[-2000:]
     full, resumed = (
         load_snapshot(tmp_path / "full" / "gpt_snapshot.pt"),
         load_snapshot(tmp_path / "gpt_snapshot.pt"),
     )
-    assert resumed["step"] == 30
+    assert resumed["step"] == end
     assert_identical(full["model"], resumed["model"])
     for a, b in zip(full["optimizer"]["state"].values(), resumed["optimizer"]["state"].values(), strict=True):
         assert_identical(a, b)
+
+
+def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
+    # dropout on: the random streams must continue exactly too; the cosine ends at step 30 in both runs
+    args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 30, "--save_every", 7]
+    assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 15, 30)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):

@@ -6,7 +6,16 @@ import re
 
 import pytest
 from conftest import TORCHRUN, load_snapshot, run
-from test_gpt import TRAIN, VAL_RE, assert_identical, cache, import_gpt_module, max_diff, train  # noqa: F401
+from test_gpt import (  # noqa: F401  (cache: a fixture)
+    TRAIN,
+    VAL_RE,
+    assert_identical,
+    assert_stopped_and_resumed_ends_bit_identical,
+    cache,
+    import_gpt_module,
+    max_diff,
+    train,
+)
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two
 RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
@@ -68,19 +77,7 @@ def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process
 def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):  # noqa: F811
     # dropout on: every rank's random stream must continue exactly, and the ranks must draw alike
     args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 20, "--save_every", 7, "--parallel", "tp"]
-    (tmp_path / "full").mkdir()
-    train(tmp_path / "full", cache, *args, "--max_steps", 20, nproc=2)
-    train(tmp_path, cache, *args, "--max_steps", 10, nproc=2)
-    proc = train(tmp_path, cache, *args, "--max_steps", 20, nproc=2)
-    assert "resuming from gpt_snapshot.pt at step 10" in proc.stdout, proc.stdout[-2000:]
-    full, resumed = (
-        load_snapshot(tmp_path / "full" / "gpt_snapshot.pt"),
-        load_snapshot(tmp_path / "gpt_snapshot.pt"),
-    )
-    assert resumed["step"] == 20
-    assert_identical(full["model"], resumed["model"])
-    for i, state in full["optimizer"]["state"].items():
-        assert_identical(state, resumed["optimizer"]["state"][i])
+    assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 10, 20, nproc=2)
 
 
 # ---- sizes that do not split: refused before any process group forms ----------------------------------
