@@ -86,7 +86,6 @@ def get_parser():
     parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--momentum", action="store_const", const=0.9, default=0.0, help="SGD momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
@@ -127,7 +126,7 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, model, optimizer, loss_fn
 
 

@@ -11,8 +11,7 @@ from conftest import EXAMPLES, REPO, VENV, TrainLog, example_cmd, load_snapshot,
 # Per-process batch size and world size of the DDP runs; single_gpu gets their product as its batch.
 BATCH, NPROC = 32, 2
 EPOCHS = 4
-# --momentum: the optimizer then has state (its momentum buffers) for the snapshot to hold and restore
-COMMON = ["--seed", "3", "--metrics_path", "metrics.jsonl", "--momentum"]
+COMMON = ["--seed", "3", "--metrics_path", "metrics.jsonl"]
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
 
 

@@ -30,7 +30,7 @@ from conftest import (
 )
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
-ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7, "--momentum"]
+ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7]
 
 
 def wait_for_epochs(metrics, count, proc, limit=300):
