@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # now, before any group: imported later (by DDP) it would keep the group alive
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,7 +25,6 @@ def ddp_setup(rank, world_size, timeout):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)  # one GPU per process
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # every wait, for the others to join and in each collective, ends with an error after --timeout
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
 
 

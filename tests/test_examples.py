@@ -1,6 +1,7 @@
 """The examples train, agree with each other, resume exactly and run from a lone copy."""
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -13,11 +14,13 @@ BATCH, NPROC = 32, 2
 EPOCHS = 4
 COMMON = ["--seed", "3", "--metrics_path", "metrics.jsonl"]
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
+EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
 
 
 class Run:
     def __init__(self, name, folder, proc):
         self.folder = folder
+        self.stdout = proc.stdout
         self.log = TrainLog(proc.stdout)
         self.snapshot = folder / f"{name}_snapshot.pt"
         self.metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -32,7 +35,8 @@ def runs(tmp_path_factory):
         script = shutil.copy(EXAMPLES / f"{name}.py", folder)
         batch = BATCH * NPROC if name == "single_gpu" else BATCH
         args = [EPOCHS, 2, "--batch_size", batch, *COMMON]
-        proc = run(example_cmd(name, *args, nproc=NPROC, script=script), timeout=300, cwd=folder)
+        cmd = example_cmd(name, *args, nproc=NPROC, script=script)
+        proc = run(cmd, timeout=300, cwd=folder, env=EXIT_PROBE)
         results[name] = Run(name, folder, proc)
     return results
 
@@ -49,6 +53,16 @@ def test_trains_from_a_lone_copy(runs, name):
     # Only what the run was asked to write: no stray temporary snapshot files.
     written = sorted(p.name for p in result.folder.iterdir())
     assert written == sorted([f"{name}.py", "metrics.jsonl", f"{name}_snapshot.pt"])
+
+
+@pytest.mark.parametrize("name", DDP_EXAMPLES)
+def test_no_communication_thread_outlives_the_process_group(runs, name):
+    """destroy_process_group() really ends the group: no gloo thread is left to run during interpreter
+    shutdown, where one can abort a finished run (exit -6). DDP's first use imports a module that would
+    keep the group alive if the lesson had not imported it before the group existed."""
+    alive = [int(n) for n in re.findall(r"exit probe: pid \d+, gloo threads alive: (\d+)", runs[name].stdout)]
+    assert len(alive) >= NPROC, runs[name].stdout[-3000:]  # every training process reported
+    assert alive == [0] * len(alive), runs[name].stdout[-3000:]
 
 
 @pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
