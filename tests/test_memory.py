@@ -79,7 +79,7 @@ def test_an_unknown_strategy_exits_2_and_writes_nothing(tmp_path):
 
 
 SHARDED = """
-import json, sys
+import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, sys.argv[1])
@@ -98,6 +98,7 @@ optimizer.step()
 optimizer.zero_grad(set_to_none=True)  # as the trainer does: the gradients were counted at the step
 print("MEMORY", json.dumps(meter.report(torch.device("cpu"))), flush=True)
 dist.destroy_process_group()
+os._exit(0)  # as examples/gpt/train.py does: DTensor's caches keep the group's threads alive
 """
 
 
