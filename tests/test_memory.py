@@ -96,7 +96,9 @@ meter = MemoryMeter(model, optimizer)
 model(torch.randn(4, 8)).sum().backward()
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)  # as the trainer does: the gradients were counted at the step
-print("MEMORY", json.dumps(meter.report(torch.device("cpu"))), flush=True)
+# one write per line: both ranks print into the same pipe, unbuffered in CI
+sys.stdout.write("MEMORY " + json.dumps(meter.report(torch.device("cpu"))) + "\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 os._exit(0)  # as examples/gpt/train.py does: DTensor's caches keep the group's threads alive
 """
