@@ -20,7 +20,6 @@ EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process 
 class Run:
     def __init__(self, name, folder, proc):
         self.folder = folder
-        self.stdout = proc.stdout
         self.log = TrainLog(proc.stdout)
         self.snapshot = folder / f"{name}_snapshot.pt"
         self.metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -60,9 +59,10 @@ def test_no_communication_thread_outlives_the_process_group(runs, name):
     """destroy_process_group() really ends the group: no gloo thread is left to run during interpreter
     shutdown, where one can abort a finished run (exit -6). DDP's first use imports a module that would
     keep the group alive if the lesson had not imported it before the group existed."""
-    alive = [int(n) for n in re.findall(r"exit probe: pid \d+, gloo threads alive: (\d+)", runs[name].stdout)]
-    assert len(alive) >= NPROC, runs[name].stdout[-3000:]  # every training process reported
-    assert alive == [0] * len(alive), runs[name].stdout[-3000:]
+    text = runs[name].log.text
+    alive = [int(n) for n in re.findall(r"exit probe: pid \d+, gloo threads alive: (\d+)", text)]
+    assert len(alive) >= NPROC, text[-3000:]  # every training process reported
+    assert alive == [0] * len(alive), text[-3000:]
 
 
 @pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
