@@ -63,6 +63,7 @@ def get_parser():
     parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0, plain SGD)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
@@ -78,6 +79,8 @@ def check_args(parser, args):
     for name in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
         if getattr(args, name) <= 0:
             parser.error(f"{name} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.momentum < 1:
+        parser.error(f"momentum must be at least 0 and below 1, got {args.momentum}")
     folder = args.data_dir
     if folder and not (args.workload == "vision" and os.path.isdir(folder) and any(os.scandir(folder))):
         parser.error(f"--data_dir {folder}: needs --workload vision and class folders (class/image.png)")
@@ -87,9 +90,9 @@ def load_train_objs(args):
     """The dataset, the model, its optimizer and its loss function: the same in every process."""
     torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
     if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
-        inputs = torch.randn(args.dataset_size, 20)
-        targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
-        train_set = list(zip(inputs, targets, strict=True))
+        hidden = torch.randn(20, 1)
+        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as files give
+        train_set = [(x, x @ hidden + 0.01 * torch.randn(1)) for x in inputs]
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
     else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
         from torchvision import datasets, models, transforms
@@ -103,7 +106,7 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     return train_set, model, optimizer, loss_fn
 
 

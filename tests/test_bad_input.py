@@ -11,6 +11,8 @@ CASES = [
     (["1", "1", "--workload", "nope"], "invalid choice: 'nope'"),
     (["1", "1", "--lr", "-1"], "lr must be positive"),
     (["1", "1", "--dataset_size", "0"], "dataset_size must be positive"),
+    (["1", "1", "--momentum", "-0.5"], "momentum must be at least 0 and below 1, got -0.5"),
+    (["1", "1", "--momentum", "1"], "momentum must be at least 0 and below 1, got 1.0"),
     (
         ["1", "1", "--workload", "vision", "--data_dir", "missing"],
         "--data_dir missing: needs --workload vision",

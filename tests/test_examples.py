@@ -12,7 +12,8 @@ from conftest import EXAMPLES, REPO, VENV, TrainLog, example_cmd, load_snapshot,
 # Per-process batch size and world size of the DDP runs; single_gpu gets their product as its batch.
 BATCH, NPROC = 32, 2
 EPOCHS = 4
-COMMON = ["--seed", "3", "--metrics_path", "metrics.jsonl"]
+# Momentum gives the optimizer a state of its own, which the snapshot must carry for an exact resume.
+COMMON = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
 EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
 

@@ -3,7 +3,8 @@
     python tools/tutorial_loop.py 10 5 --batch_size 32 --metrics_path metrics.jsonl
 
 The work per step and per epoch is that of the upstream tutorial's single_gpu.py: random samples
-(torch.rand(20), torch.rand(1)) in a list, a shuffling DataLoader, Linear(20, 1) and SGD at lr 1e-3; per step
+(torch.rand(20), torch.rand(1)) served by a Dataset subclass whose __getitem__ indexes a list (the
+tutorial's datautils), a shuffling DataLoader, Linear(20, 1) and SGD at lr 1e-3; per step
 zero_grad, forward, loss, backward and step; per epoch one batch read to print the batch size and one line
 printed; every save_every epochs the model's state saved. Two changes, so that the bench reads it like the
 lessons: the loss is MSE (cross-entropy over a single output is always zero), and each epoch appends
@@ -17,13 +18,26 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
+
+
+class RandomSamples(Dataset):
+    """Random inputs and targets, drawn once and held in a list."""
+
+    def __init__(self, size):
+        self.samples = [(torch.rand(20), torch.rand(1)) for _ in range(size)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
 
 
 def train(args):
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    samples = [(torch.rand(20), torch.rand(1)) for _ in range(args.dataset_size)]
+    samples = RandomSamples(args.dataset_size)
     loader = DataLoader(samples, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
     model = torch.nn.Linear(20, 1).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
