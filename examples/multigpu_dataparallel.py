@@ -117,7 +117,8 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    foreach = torch.cuda.is_available()  # torch's own choice, made once: left unset, it is made every step
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
     return train_set, model, optimizer, loss_fn
 
 

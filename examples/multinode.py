@@ -1,8 +1,7 @@
-"""Step 4: the same training across several machines: the same torchrun command on every node.
+"""Step 4: several machines, each runs the same torchrun command; they meet at the rendezvous endpoint.
 
 torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 --rdzv-id=job1 \
     --rdzv-conf=join_timeout=60,read_timeout=30 multinode.py 10 5 --snapshot_path /shared/snapshot.pt
-Every node must reach the rendezvous endpoint (on one of them); --snapshot_path must be on shared storage.
 """
 
 import argparse
@@ -136,7 +135,8 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    foreach = torch.cuda.is_available()  # torch's own choice, made once: left unset, it is made every step
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
     return train_set, model, optimizer, loss_fn
 
 

@@ -9,8 +9,15 @@ import json
 import pytest
 from conftest import PYTHON, REPO, run
 
-VARIANTS = ["plain", "tutorial", "ddp_ws1", "spawn", "torchrun", "accelerate", "two_nodes"]
-RATIOS = ["plain/tutorial", "ddp_ws1/plain", "accelerate/torchrun", "torchrun/plain", "two_nodes/torchrun"]
+VARIANTS = ["plain", "tutorial", "tutorial_mse", "ddp_ws1", "spawn", "torchrun", "accelerate", "two_nodes"]
+RATIOS = [
+    "plain/tutorial",
+    "plain/tutorial_mse",
+    "ddp_ws1/plain",
+    "accelerate/torchrun",
+    "torchrun/plain",
+    "two_nodes/torchrun",
+]
 RATIOS += ["spawn/torchrun"]
 
 
@@ -62,4 +69,5 @@ def test_loss_curves_agree(bench):
     assert set(report["summary"]["tiny"]["max_abs_loss_diff_vs_plain"]) == set(VARIANTS) - {
         "plain",
         "tutorial",
+        "tutorial_mse",
     }

@@ -4,9 +4,10 @@
     python tools/bench.py --full               # longer epochs, more samples, more repeats
     python tools/bench.py --workloads tiny --repeats 5 --variants plain tutorial
 
-Every variant but `tutorial` trains the same model from the same seed with the same global batch, so their
-loss curves should coincide; `tutorial` (tools/tutorial_loop.py, tiny workload only) is the upstream
-tutorial's loop on its own random data, the baseline of plain/tutorial. Throughput leaves out the first
+Every variant but the tutorial's trains the same model from the same seed with the same global batch, so
+their loss curves should coincide; `tutorial` (tools/tutorial_loop.py, tiny workload only) is the upstream
+tutorial's loop on its own random data, the baseline of plain/tutorial, and `tutorial_mse` the same loop with
+the lessons' loss, for a like-for-like plain/tutorial_mse. Throughput leaves out the first
 (warm-up) epoch. Rounds run every variant once, in an order rotated from round to round; each ratio is taken
 within a round and then averaged, so drift in the load of a shared machine falls on both sides of it. Prints
 the tables and writes, under --out, bench.json (everything), table.md (the tables), loss.png (loss curves
@@ -44,6 +45,7 @@ class Variant:
     ranks: int
     about: str
     script: Path | None = None  # another script than the step's example (the tutorial's loop)
+    options: tuple = ()  # that script's own options
     one_process: bool = False  # one process drives all `ranks` GPUs (DataParallel)
 
     @property
@@ -60,6 +62,9 @@ def make_variants(nproc, gpus=0):
     variants = [
         Variant("plain", "single_gpu", 1, "single_gpu.py, one process, all cores"),
         Variant("tutorial", "single_gpu", 1, "the upstream tutorial's loop (tiny only)", tutorial),
+        Variant(
+            "tutorial_mse", "single_gpu", 1, "the same with MSE loss (tiny only)", tutorial, ("--loss", "mse")
+        ),
         Variant("ddp_ws1", "multigpu_torchrun", 1, "DDP at world size 1 (torchrun)"),
     ]
     if nproc >= 2:
@@ -90,6 +95,7 @@ def make_variants(nproc, gpus=0):
 # Ratios: (numerator, denominator, what it measures, {workload: target}).
 RATIOS = [
     ("plain", "tutorial", "single_gpu.py vs the tutorial's loop, same batch", {"tiny": 1.0}),
+    ("plain", "tutorial_mse", "the same, like for like: the tutorial's loop with MSE", {}),
     ("ddp_ws1", "plain", "the DDP wrapper's own cost", {"vision": 0.97}),
     ("accelerate", "torchrun", "accelerate's convenience cost", {"vision": 0.97}),
     ("torchrun", "plain", "N ranks vs one process with all cores", {"vision": 0.9}),
@@ -109,8 +115,7 @@ def run_variant(variant, workload, settings, folder, timeout):
     args = [epochs, epochs, "--dataset_size", settings[f"{workload}_size"], "--seed", settings["seed"]]
     args += ["--batch_size", settings["global_batch"] // variant.processes]
     args += ["--snapshot_path", folder / "snapshot.pt", "--metrics_path", metrics]
-    if variant.name != "tutorial":
-        args += ["--workload", workload]
+    args += [*variant.options] if variant.script else ["--workload", workload]
     threads = max(
         1, settings["cores"] // variant.processes
     )  # every process, both "nodes" too, on this machine
@@ -231,13 +236,14 @@ def summarize(results, variants, settings):
                     ratio["target"] = target = targets[workload]
                     ratio["verdict"] = f"target >= {target}: {verdict(ratio, target)}"
                 ratios[f"{top}/{bottom}"] = ratio
-        agreement = {}  # against plain, in the same round; the tutorial trains on data of its own
+        agreement = {}  # against plain, in the same round; the tutorial's loop trains on data of its own
+        own_data = {v.name for v in variants if v.script}
         for name, mine in runs.items():
             diffs = [
                 max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
                 for a in mine
                 for b in runs.get("plain", [])
-                if a["round"] == b["round"] and name not in ("plain", "tutorial")
+                if a["round"] == b["round"] and name != "plain" and name not in own_data
             ]
             if diffs:
                 agreement[name] = max(diffs)
@@ -379,7 +385,7 @@ def main(argv=None):
         mode="full" if args.full else "quick",
         load_before=[round(x, 2) for x in os.getloadavg()],
     )
-    plan = [(w, v) for w in args.workloads for v in variants if v.name != "tutorial" or w == "tiny"]
+    plan = [(w, v) for w in args.workloads for v in variants if not v.script or w == "tiny"]
     if not plan:
         parser.error("nothing to run: the tutorial variant runs the tiny workload only")
     out = args.out.resolve()  # the runs work in folders of their own
