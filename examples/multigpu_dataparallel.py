@@ -102,7 +102,7 @@ def load_train_objs(args):
     torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
     if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
         hidden = torch.randn(20, 1)
-        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as files give
+        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as from files
         train_set = [(x, x @ hidden + 0.01 * torch.randn(1)) for x in inputs]
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
     else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
@@ -117,7 +117,7 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    foreach = torch.cuda.is_available()  # torch's own choice, made once: left unset, it is made every step
+    foreach = torch.cuda.is_available()  # torch's default (foreach on GPUs), set once, not every step
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
     return train_set, model, optimizer, loss_fn
 

@@ -1,4 +1,4 @@
-"""Step 4: several machines, each runs the same torchrun command; they meet at the rendezvous endpoint.
+"""Step 4: several machines, one torchrun each; they meet at the rendezvous, share --snapshot_path.
 
 torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 --rdzv-id=job1 \
     --rdzv-conf=join_timeout=60,read_timeout=30 multinode.py 10 5 --snapshot_path /shared/snapshot.pt
@@ -120,7 +120,7 @@ def load_train_objs(args):
     torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
     if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
         hidden = torch.randn(20, 1)
-        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as files give
+        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as from files
         train_set = [(x, x @ hidden + 0.01 * torch.randn(1)) for x in inputs]
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
     else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
@@ -135,7 +135,7 @@ def load_train_objs(args):
             train_set = list(zip(images, labels, strict=True))
         classes = len(train_set.classes) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    foreach = torch.cuda.is_available()  # torch's own choice, made once: left unset, it is made every step
+    foreach = torch.cuda.is_available()  # torch's default (foreach on GPUs), set once, not every step
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
     return train_set, model, optimizer, loss_fn
 

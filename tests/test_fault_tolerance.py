@@ -30,7 +30,8 @@ from conftest import (
 )
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
-ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7]
+# Momentum: the optimizer has a state of its own, which a resumed run must get back.
+ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7, "--momentum", 0.9]
 
 
 def wait_for_epochs(metrics, count, proc, limit=300):

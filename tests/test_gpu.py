@@ -22,7 +22,7 @@ from conftest import (
 pytestmark = needs_gpu
 
 BATCH, EPOCHS = 32, 4
-COMMON = ["--seed", "5", "--dataset_size", "4096"]
+COMMON = ["--seed", "5", "--dataset_size", "4096", "--momentum", "0.9"]
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
 
 

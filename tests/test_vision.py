@@ -5,7 +5,7 @@ import math
 from conftest import TrainLog, example_cmd, load_snapshot, run
 from PIL import Image
 
-TINY = ["--workload", "vision", "--batch_size", "4"]
+TINY = ["--workload", "vision", "--batch_size", "4", "--momentum", "0.9"]
 
 
 def write_image_folder(root, classes=("cat", "dog"), per_class=8):

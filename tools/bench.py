@@ -310,6 +310,8 @@ def plot(results, summary, out):
             if kind == "loss":
                 for i, (name, runs) in enumerate(zip(names, mine, strict=True)):
                     losses = runs[0]["losses"]
+                    if min(losses) <= 0:  # off a log scale: the tutorial's cross-entropy is identically 0
+                        continue
                     style = styles[i % len(styles)]
                     ax.plot(range(1, len(losses) + 1), losses, style, label=name, alpha=0.8, markersize=9 - i)
                 ax.set(
@@ -387,7 +389,7 @@ def main(argv=None):
     )
     plan = [(w, v) for w in args.workloads for v in variants if not v.script or w == "tiny"]
     if not plan:
-        parser.error("nothing to run: the tutorial variant runs the tiny workload only")
+        parser.error("nothing to run: the tutorial variants run the tiny workload only")
     out = args.out.resolve()  # the runs work in folders of their own
     out.mkdir(parents=True, exist_ok=True)
     results = []

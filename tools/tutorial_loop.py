@@ -7,7 +7,7 @@ The work per step and per epoch is that of the upstream tutorial's single_gpu.py
 tutorial's datautils), a shuffling DataLoader, Linear(20, 1) and SGD at lr 1e-3; per step
 zero_grad, forward, the tutorial's F.cross_entropy, backward and step; per epoch one batch read to print the
 batch size and one line printed; every save_every epochs the model's state saved. Cross-entropy over a single
-output is identically zero, so this loop learns nothing, as the tutorial's does not: it measures what a step
+output is identically zero, so this loop learns nothing, like the tutorial's: it measures what a step
 costs. `--loss mse` takes the lessons' loss instead (one fused operation, cheaper than the cross-entropy's
 several), for a like-for-like comparison of the loops. One addition, so that the bench reads it like the
 lessons: each epoch appends {"epoch", "loss", "samples_per_s"} to --metrics_path, the loss being the epoch's
