@@ -208,6 +208,7 @@ def summarize(results, variants, settings):
     """Per workload: throughput per variant, ratios taken round by round, and how far the losses agree."""
     summary = {}
     ranks = {v.name: v.ranks for v in variants}
+    own_data = {v.name for v in variants if v.script}  # the tutorial's loops, on data of their own
     for workload in settings["workloads"]:
         runs = {
             v.name: [r for r in results if r["workload"] == workload and r["variant"] == v.name]
@@ -236,8 +237,7 @@ def summarize(results, variants, settings):
                     ratio["target"] = target = targets[workload]
                     ratio["verdict"] = f"target >= {target}: {verdict(ratio, target)}"
                 ratios[f"{top}/{bottom}"] = ratio
-        agreement = {}  # against plain, in the same round; the tutorial's loop trains on data of its own
-        own_data = {v.name for v in variants if v.script}
+        agreement = {}  # against plain, in the same round
         for name, mine in runs.items():
             diffs = [
                 max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
