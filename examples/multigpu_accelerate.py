@@ -8,12 +8,14 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # now, before any group: imported later (by DDP) it would keep the group alive
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.data import DataLoader, RandomSampler
 
 
@@ -24,10 +26,7 @@ class Trainer:
         # torch.load cannot map to accelerate's name for the CPU, "cpu:0": say "cpu"
         self.device = device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device
         self.model = model.to(device)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
+        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         self.order = train_data.sampler.generator  # the shuffling, which prepare() keeps using
         # prepare(): DDP around the model, and every process given its share of each epoch's batches
@@ -63,7 +62,8 @@ class Trainer:
 
 def main(args):
     # without CUDA, cpu=True makes it gloo: plain Accelerator() would let each process train alone
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))  # for the other processes
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
     rank = f"[rank {accelerator.process_index}/{accelerator.num_processes}]"
     print(f"{rank} {accelerator.device}, {dist.get_backend()}", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
@@ -179,10 +179,13 @@ def check_replicas(model):
 
 if __name__ == "__main__":
     parser = get_parser()
+    parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
     args = parser.parse_args()
     check_args(parser, args)
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
+    if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
+        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...")
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

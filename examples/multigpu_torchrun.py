@@ -1,6 +1,8 @@
 """Step 3: the same DDP training, started by torchrun, which also restarts processes that fail.
 
-torchrun --standalone --nproc-per-node=2 multigpu_torchrun.py 10 5    # --max-restarts=3: resume, go on
+torchrun --standalone --nproc-per-node=2 multigpu_torchrun.py 10 5
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \
+    multigpu_torchrun.py 10 5    # a failed process restarts them all: they resume from the snapshot
 """
 
 import argparse
@@ -8,6 +10,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,12 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 
-def ddp_setup(local_rank):
+def ddp_setup(local_rank, timeout):
     """Join the process group: torchrun put the rank, the world size and the rendezvous in the environment."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # one GPU per process
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)  # torchrun's rendezvous bounds the wait for the others to join
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # bounds the wait for the others
 
 
 class Trainer:
@@ -30,10 +33,7 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # this process, all of them
         self.device = device
         self.model = model.to(device)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
+        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # DDP: every process starts from rank 0's weights, and backward() averages the gradients
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -67,7 +67,7 @@ class Trainer:
 
 def main(args):
     local_rank = int(os.environ["LOCAL_RANK"])  # torchrun numbers the processes on this machine
-    ddp_setup(local_rank)
+    ddp_setup(local_rank, args.timeout)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     print(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
@@ -183,10 +183,13 @@ def check_replicas(model):
 
 if __name__ == "__main__":
     parser = get_parser()
+    parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
     args = parser.parse_args()
     check_args(parser, args)
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
+    if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
+        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...")
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

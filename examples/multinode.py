@@ -7,9 +7,9 @@ torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=NODE0
 import argparse
 import json
 import os
-import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,12 +19,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 
-def ddp_setup(local_rank):
+def ddp_setup(local_rank, timeout):
     """Join the process group: torchrun put the rank, the world size and the rendezvous in the environment."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # one GPU per process
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)  # torchrun's rendezvous bounds the wait for the others to join
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # bounds the wait for the others
 
 
 class Trainer:
@@ -32,10 +32,7 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # ranks count across all nodes
         self.device = device
         self.model = model.to(device)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
+        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         runs = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
         dist.all_reduce(runs, op=dist.ReduceOp.MAX)  # a node that sees no snapshot, or another one: stop
@@ -73,10 +70,10 @@ class Trainer:
 
 def main(args):
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's number on its own node: picks its GPU
-    ddp_setup(local_rank)
+    ddp_setup(local_rank, args.timeout)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     node = f"local rank {local_rank}/{os.environ['LOCAL_WORLD_SIZE']} on node {os.environ['GROUP_RANK']}"
-    where = f"{device}, {dist.get_backend()}, {node} ({socket.gethostname()})"
+    where = f"{device}, {dist.get_backend()}, {node} ({os.uname().nodename})"
     print(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
@@ -191,10 +188,13 @@ def check_replicas(model):
 
 if __name__ == "__main__":
     parser = get_parser()
+    parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
     args = parser.parse_args()
     check_args(parser, args)
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun on every node: torchrun --nnodes=2 ... {sys.argv[0]} ...")
+    if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
+        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...")
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

@@ -18,10 +18,7 @@ class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
         self.device = device
         self.model = model.to(device)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
+        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
 
     def _run_batch(self, source, targets):

@@ -78,10 +78,10 @@ def relay(proc, prefix):
 def run(commands, gpus=0):
     """Run the command(s): one alone in the foreground, several side by side with prefixed output.
     Returns the first non-zero exit status, or 0."""
-    if len(commands) == 1:
-        return subprocess.call(commands[0])
     # restarts (--max-restarts) need a fresh rendezvous store per round, not the agent's shared one
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if len(commands) == 1:
+        return subprocess.call(commands[0], env=env)
     procs, threads = [], []
     for node, (cmd, devices) in enumerate(zip(commands, gpu_split(gpus, len(commands)), strict=True)):
         node_env = {**env, "CUDA_VISIBLE_DEVICES": devices} if gpus >= len(commands) else env
