@@ -76,8 +76,8 @@ def wait_for_name(endpoint, seconds):
             if time.monotonic() >= deadline:
                 sys.exit(
                     f"error: the rendezvous host {host} did not resolve within read_timeout ({seconds:g} s): "
-                    f"{exc}.\nUsual causes: a misspelt host name in --rdzv-endpoint, the first node not started "
-                    "(a container's or pod's name exists only while it runs), or a DNS server out of reach.\n"
+                    f"{exc}.\nUsual causes: a misspelt host name in --rdzv-endpoint, the first node not "
+                    "started (a container's or pod's name exists only while it runs), or no DNS server.\n"
                     f"Check the endpoint from every node: python tools/doctor.py --endpoint {endpoint}"
                 )
             if not said:
