@@ -321,3 +321,24 @@ def test_gpus_are_one_overlay_away(base):
     assert GPU not in limits(*job_of(cpu))
     assert limits(kind, obj).pop(GPU) == container(kind, obj)[3]
     assert gpu == cpu
+
+
+def test_the_image_is_named_once_for_every_job(tmp_path):
+    """The image set in k8s/common/kustomization.yaml, the one edit the manifests need, reaches every pod."""
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    common = root / "common" / "kustomization.yaml"
+    text = common.read_text()
+    assert text.count("newName: ddp-examples\n") == 1 and text.count("newTag: latest\n") == 1
+    common.write_text(
+        text.replace("newName: ddp-examples", "newName: registry.example/ml/ddp").replace("latest", "v1")
+    )
+    for base in BASES:
+        kind, obj = job_of(rendered(f"{base}-gpu", root))
+        spec = obj["spec"]
+        images = (
+            [spec["trainer"]["image"]]
+            if kind == "TrainJob"
+            else [c["image"] for c in spec["template"]["spec"]["containers"]]
+        )
+        assert images == ["registry.example/ml/ddp:v1"], base
