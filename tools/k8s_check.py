@@ -305,7 +305,10 @@ def main(argv=None):
     crds = load_crds(folder) if folder else None
     problems, notes = check_tree(args.root.resolve(), crds)
     if crds is None and os.environ.get("REQUIRE_K8S_CRDS") == "1":
-        problems.append("no Kubeflow Trainer CRDs: set K8S_CRD_DIR (and REQUIRE_K8S_CRDS=1)")
+        problems.append(
+            "no Kubeflow Trainer CRDs (shared/k8s beside the repository, or K8S_CRD_DIR), "
+            "and REQUIRE_K8S_CRDS=1 makes that a failure"
+        )
     print("\n".join(notes))
     print(f"CRDs: {folder or 'none found (set K8S_CRD_DIR)'}; Kubernetes versions: {', '.join(KUBERNETES)}")
     if problems:
