@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate diff doctor test lint pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate diff doctor test lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -74,7 +74,7 @@ two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
 # (the Docker targets follow the steps below)
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
 
 env: $(ENV) ## create the pinned Python environment in $(VENV)
@@ -176,11 +176,16 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 test: $(ENV) ## run the test suite
 	$(PY) -m pytest $(TEST_ARGS)
 
-lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint
+lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	git ls-files -z '*.sh' .ci/run | xargs -0 $(VENV)/bin/shellcheck
 	git ls-files -z 'Dockerfile' '*/Dockerfile' | xargs -0 -r $(VENV)/bin/hadolint
+	$(PY) tools/k8s_check.py
+
+# K8S_CRD_DIR: the Kubeflow Trainer CRDs (default: shared/k8s beside the repository); docs/kubernetes.md
+k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes schemas, the TrainJob CRD
+	$(PY) tools/k8s_check.py
 
 pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3.11 and 3.12)
 	$(VENV)/bin/uv pip compile -q --universal --python-version 3.11 --no-header --no-annotate \

@@ -211,6 +211,8 @@ def launch(endpoint, tmp_path, conf="join_timeout=5,read_timeout=5"):
         ("localhost", "not all 2 node(s) joined the rendezvous at {} within join_timeout (5 s)"),
         # a documentation address (TEST-NET-1) where nothing answers: the store is never reached
         ("192.0.2.1", "could not reach the rendezvous store at {} within read_timeout (5 s)"),
+        # a name that never resolves (RFC 2606): waited for, as a starting pod's DNS name, then named
+        ("nonexistent.invalid", "rendezvous host nonexistent.invalid did not resolve within read_timeout"),
     ],
 )
 def test_torchrun_names_the_endpoint_it_could_not_meet_at(tmp_path, where, message):

@@ -4,12 +4,16 @@
 
 Takes torchrun's arguments and runs torchrun (torch.distributed.run) unchanged. When its rendezvous fails,
 it ends with status 1 and, in place of torchrun's traceback, what failed, at which host:port, after how
-long, and the usual causes. `make multinode` and the compose files launch through it.
+long, and the usual causes. `make multinode`, the compose files and the Kubernetes manifests (k8s/) launch
+through it. Before torchrun starts, it waits, at most read_timeout, until the endpoint's host name resolves:
+a Kubernetes pod's DNS name appears a few seconds after the pod starts, and torchrun decides whether it hosts
+the store by resolving it once.
 """
 
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -60,6 +64,28 @@ def store_answers(host, port, seconds=10):
     return outcome[0] if outcome else False
 
 
+def wait_for_name(endpoint, seconds):
+    """Returns once the endpoint's host name resolves; ends the run when it has not within `seconds`."""
+    host, _ = split_endpoint(endpoint)
+    deadline, said = time.monotonic() + seconds, False
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            return
+        except (socket.gaierror, UnicodeError) as exc:
+            if time.monotonic() >= deadline:
+                sys.exit(
+                    f"error: the rendezvous host {host} did not resolve within read_timeout ({seconds:g} s): "
+                    f"{exc}.\nUsual causes: a misspelt host name in --rdzv-endpoint, the first node not "
+                    "started (a container's or pod's name exists only while it runs), or no DNS server.\n"
+                    f"Check the endpoint from every node: python tools/doctor.py --endpoint {endpoint}"
+                )
+            if not said:
+                print(f"waiting up to {seconds:g} s for the rendezvous host {host} to resolve", flush=True)
+                said = True
+            time.sleep(1)
+
+
 def check_port(endpoint, seconds=10):
     """Ends the run when a program that is not a rendezvous store holds the endpoint's port: torchrun would
     connect to it and wait for an answer that never comes, past every timeout."""
@@ -102,6 +128,7 @@ def explain(args, exc):
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
     if args.rdzv_backend == "c10d" and not args.standalone:
+        wait_for_name(args.rdzv_endpoint, float(rdzv_conf(args.rdzv_conf).get("read_timeout", READ_TIMEOUT)))
         check_port(args.rdzv_endpoint)
     try:
         torchrun(sys.argv[1:])
