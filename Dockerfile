@@ -36,7 +36,7 @@ COPY requirements.txt /tmp/requirements.txt
 RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
     && uv pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
-    && python -c 'import torch, torchvision, accelerate; print("torch", torch.__version__)'
+    && python -c 'import torch, torchvision, accelerate, ray.train; print("torch", torch.__version__)'
 
 WORKDIR /app
 COPY examples/ /app/examples/

@@ -84,7 +84,7 @@ $(ENV): requirements.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(call retry,$(PY) -m pip install -q "$$(grep '^uv==' requirements.txt)")
 	$(call retry,$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements.txt)
-	$(PY) -c 'import torch, torchvision, accelerate'
+	$(PY) -c 'import torch, torchvision, accelerate, ray.train'
 	touch $@
 
 single_gpu: $(ENV) ## step 1: one device (GPU, else CPU)
@@ -108,6 +108,7 @@ accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; \
+	diff -u examples/multigpu_torchrun.py examples/multigpu_ray.py; \
 	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
 # ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
