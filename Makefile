@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate diff doctor test lint pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor test lint pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -104,6 +104,9 @@ multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GP
 
 accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 	$(call step,multigpu_accelerate)
+
+ray: $(ENV) ## step 3 with Ray Train: a Ray cluster on this machine for the run, stopped after it
+	$(call step,multigpu_ray)
 
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
