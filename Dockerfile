@@ -40,7 +40,7 @@ RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
 
 WORKDIR /app
 COPY examples/ /app/examples/
-COPY tools/doctor.py tools/launch.py /app/tools/
+COPY tools/doctor.py tools/launch.py docker/ray-node.sh /app/tools/
 
 USER ${USER_NAME}
 CMD ["python", "examples/multinode.py", "--help"]

@@ -11,25 +11,33 @@ import socket
 import psutil
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, REPO, VENV, TrainLog, load_snapshot, run
+from conftest import (
+    EXAMPLES,
+    PYTHON,
+    RAY_PREFIX_RE,
+    REPO,
+    VENV,
+    TrainLog,
+    load_snapshot,
+    run,
+    without_ray_prefixes,
+)
 from ray_local import LocalRay
 
 BATCH, NPROC, EPOCHS = 32, 2, 4
 COMMON = ["--seed", "3", "--momentum", "0.9"]  # momentum: optimizer state the snapshot must carry
-# Ray puts `(RayTrainWorker pid=123) ` (colored, `, ip=...` from other nodes) before a worker's lines
-PREFIX_RE = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=(\d+)(?:, ip=[\d.]+)?\)(?:\x1b\[0m)? ", re.M)
 HEAD_RE = re.compile(r"^Ray head at ([\d.]+:\d+) \(([^)]+)\), up in", re.M)
 
 
 def log_of(text):
-    return TrainLog(PREFIX_RE.sub("", text))
+    return TrainLog(without_ray_prefixes(text))
 
 
 def leftovers(text):
     """Processes still alive that the run's Ray started: the head's own (their command lines name its
     folder) and the actors whose lines the output shows."""
     folder = HEAD_RE.search(text).group(2)
-    pids = {int(pid) for pid in PREFIX_RE.findall(text)}
+    pids = {int(pid) for pid in RAY_PREFIX_RE.findall(text)}
     alive = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
