@@ -1,7 +1,7 @@
 """examples/multigpu_ray.py on Ray clusters on this machine (tools/ray_local.py), 2 CPU workers on gloo.
 
 `make ray` starts a cluster, trains and stops it; the other runs share one cluster (about 3 s to start here,
-30 s on a loaded machine) from a copy of the script alone in an empty folder. About 1.5 minutes in all.
+30 s on a loaded machine) from a copy of the script alone in an empty folder. 70 to 100 s in all.
 """
 
 import re
