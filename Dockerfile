@@ -36,11 +36,11 @@ COPY requirements.txt /tmp/requirements.txt
 RUN pip install "$(grep '^uv==' /tmp/requirements.txt)" \
     && uv pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
-    && python -c 'import torch, torchvision, accelerate; print("torch", torch.__version__)'
+    && python -c 'import torch, torchvision, accelerate, ray.train; print("torch", torch.__version__)'
 
 WORKDIR /app
 COPY examples/ /app/examples/
-COPY tools/doctor.py tools/launch.py /app/tools/
+COPY tools/doctor.py tools/launch.py docker/ray-node.sh /app/tools/
 
 USER ${USER_NAME}
 CMD ["python", "examples/multinode.py", "--help"]

@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate diff doctor test lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor test lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -84,7 +84,7 @@ $(ENV): requirements.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(call retry,$(PY) -m pip install -q "$$(grep '^uv==' requirements.txt)")
 	$(call retry,$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements.txt)
-	$(PY) -c 'import torch, torchvision, accelerate'
+	$(PY) -c 'import torch, torchvision, accelerate, ray.train'
 	touch $@
 
 single_gpu: $(ENV) ## step 1: one device (GPU, else CPU)
@@ -105,9 +105,13 @@ multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GP
 accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 	$(call step,multigpu_accelerate)
 
+ray: $(ENV) ## step 3 with Ray Train: a Ray cluster on this machine for the run, stopped after it
+	$(call step,multigpu_ray)
+
 diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; \
+	diff -u examples/multigpu_torchrun.py examples/multigpu_ray.py; \
 	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
 # ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================

@@ -121,7 +121,7 @@ def load_train_objs(args):
             labels = torch.randint(10, (args.dataset_size,))
             images = torch.randn(10, 3, 32, 32)[labels] + torch.randn(args.dataset_size, 3, 32, 32)
             train_set = list(zip(images, labels, strict=True))
-        classes = len(train_set.classes) if args.data_dir else 10
+        classes = len(train_set.class_to_idx) if args.data_dir else 10
         model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
     foreach = torch.cuda.is_available()  # torch's default (foreach on GPUs), set once, not every step
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)

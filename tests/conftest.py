@@ -31,6 +31,14 @@ RANK_RE = re.compile(
     r"\[rank (\d+)/(\d+)\] ([^,\s]+), ([a-z]+)(?:, local rank (\d+)/(\d+) on node (\d+) \(([^)\s]+)\))?"
 )
 
+# Ray prints `(RayTrainWorker pid=123) ` (colored; `, ip=...` when from another node) before an actor's lines
+RAY_PREFIX_RE = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=(\d+)(?:, ip=[\d.]+)?\)(?:\x1b\[0m)? ", re.M)
+
+
+def without_ray_prefixes(text):
+    """The lines of Ray's actors (examples/multigpu_ray.py) as the lessons print them."""
+    return RAY_PREFIX_RE.sub("", text)
+
 
 def assert_world(text, per_host):
     """The rank lines in text (the output of every node) describe one world of sum(per_host.values())

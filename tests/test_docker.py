@@ -18,7 +18,7 @@ import time
 
 import pytest
 import yaml
-from conftest import EPOCH_RE, REPO, TrainLog, assert_world, need, run
+from conftest import EPOCH_RE, REPO, TrainLog, assert_world, need, run, without_ray_prefixes
 
 COMPOSE_DIR = REPO / "compose"
 CPU = ("compose.yaml",)  # what plain `docker compose up` at the root runs
@@ -32,6 +32,8 @@ VARIANTS = {
     "gpt-gpu": (*GPU, "compose/gpt.yaml"),
     "elastic-cpu": (*CPU, "compose/elastic.yaml"),
     "elastic-gpu": (*GPU, "compose/elastic.yaml"),
+    "ray-cpu": (*CPU, "compose/ray.yaml"),
+    "ray-gpu": (*GPU, "compose/ray.yaml"),
 }
 PROJECT = "ddp"  # the project name in the files, shared by `make two-node*` and plain `docker compose`
 BASE_IMAGE = "local/ddp-base:bookworm"
@@ -43,6 +45,7 @@ SNAPSHOTS = {
     "multinode": "/snapshots/multinode.pt",
     "accelerate": "/snapshots/accelerate.pt",
     "gpt": "/snapshots/gpt.pt",
+    "ray": "/snapshots/ray.pt",
 }
 PREFIX_RE = re.compile(r"^[\w-]+\s+\| ", re.M)  # `node0-1  | ` before each line of `up`'s output
 
@@ -200,15 +203,16 @@ def normalized(service, devices=True):
     return service
 
 
-@pytest.mark.parametrize("example", ["", "accelerate-", "elastic-", "gpt-"])
+@pytest.mark.parametrize("example", ["", "accelerate-", "elastic-", "gpt-", "ray-"])
 def test_gpu_and_cpu_variants_run_the_same_job(compose, example):
     """The GPU files differ from the CPU ones by device settings only, so the variants cannot drift."""
     cpu = resolved(compose, VARIANTS[example + "cpu"])["services"]
     gpu = resolved(compose, VARIANTS[example + "gpu"])["services"]
     without_devices = {name: normalized(service, devices=False) for name, service in gpu.items()}
     assert without_devices == {name: normalized(service) for name, service in cpu.items()}
-    assert cpu["node0"]["entrypoint"] == cpu["node1"]["entrypoint"]
-    assert cpu["node0"]["command"] == cpu["node1"]["command"]
+    if example != "ray-":  # torchrun on both nodes; Ray has a head and a worker node
+        assert cpu["node0"]["entrypoint"] == cpu["node1"]["entrypoint"]
+        assert cpu["node0"]["command"] == cpu["node1"]["command"]
 
 
 def test_accelerate_variant_runs_the_accelerate_example(compose):
@@ -415,10 +419,44 @@ def test_accelerate_across_two_containers(project):
     assert proj.snapshot_epochs(SNAPSHOTS["accelerate"]) == EPOCHS
 
 
+def test_ray_variant_runs_the_ray_example_on_a_head_and_a_worker_node(compose):
+    """node0 hosts the Ray head and the driver, with one worker per CPU of both nodes; node1 joins it."""
+    services = resolved(compose, VARIANTS["ray-cpu"], env={"NODE0_NPROC": "3", "NODE1_NPROC": "1"})[
+        "services"
+    ]
+    node0, node1 = services["node0"], services["node1"]
+    assert node0["entrypoint"] == ["tools/ray-node.sh", "head"]
+    assert node0["command"][0] == "examples/multigpu_ray.py"
+    assert f"--snapshot_path={SNAPSHOTS['ray']}" in node0["command"]
+    assert (node0["environment"]["NODE_CPUS"], node0["environment"]["PEER_CPUS"]) == ("3", "1")
+    assert node1["entrypoint"] == ["tools/ray-node.sh", "worker", "node0:6379"] and not node1["command"]
+    assert node1["environment"]["NODE_CPUS"] == "1"
+
+
 def test_gpt_variant_runs_the_gpt_trainer(compose):
     for service in resolved(compose, VARIANTS["gpt-cpu"])["services"].values():
         assert service["command"][0] == "examples/gpt/train.py"
         assert f"--snapshot_path={SNAPSHOTS['gpt']}" in service["command"]
+
+
+@SLOW
+def test_ray_across_two_containers(project):
+    """Plain `up` with compose/ray.yaml: a Ray head on node0 and a worker node on node1 train with 2 workers
+    each; when training ends both containers exit, with status 0, none left waiting."""
+    proj = project(VARIANTS["ray-cpu"])
+    start = time.monotonic()
+    proc = proj("up", timeout=900, check=False)
+    print(f"ray-cpu: compose run {time.monotonic() - start:.0f} s")
+    statuses = proj("ps", "-a", "--format", "{{.Service}}={{.ExitCode}}").stdout.split()
+    assert proc.returncode == 0 and sorted(statuses) == ["node0=0", "node1=0"], proc.stdout[-6000:]
+    text = without_ray_prefixes(proj.logs("node0"))
+    TrainLog(text).assert_trained(world_size=4)
+    assert epochs_in(text) == list(range(1, EPOCHS + 1))
+    # Ray Train placed two workers on each node (node_rank 0 and 1)
+    placed = re.findall(r"world_rank=(\d+), local_rank=(\d+), node_rank=(\d+)", text)
+    assert sorted(node for *_, node in placed) == ["0", "0", "1", "1"], text[-3000:]
+    assert "the Ray head at node0:6379 has stopped: leaving" in proj.logs("node1")
+    assert proj.snapshot_epochs(SNAPSHOTS["ray"]) == EPOCHS
 
 
 @SLOW

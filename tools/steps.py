@@ -8,6 +8,7 @@ The Makefile, tools/bench.py and the tests start the examples through `command()
 is used, so that the host's python3 can start the steps inside a container too (--python "docker run ...
 python"). multinode runs two "nodes" on this machine, each a torchrun through tools/launch.py, meeting at a
 free localhost port; GPUs are split between them and each line of output is prefixed with [node0]/[node1].
+multigpu_ray runs on a Ray cluster of --nproc CPUs started for it and stopped after it (tools/ray_local.py).
 """
 
 import argparse
@@ -26,6 +27,7 @@ STEPS = {
     "multigpu_torchrun": "torchrun",
     "multinode": "nodes",
     "multigpu_accelerate": "torchrun",
+    "multigpu_ray": "ray",  # a Ray cluster on this machine for the run (tools/ray_local.py)
 }
 # torchrun's rendezvous gives up after these seconds, not its defaults of 600 and 60, when a node never comes
 RDZV_CONF = "join_timeout=60,read_timeout=30"
@@ -54,6 +56,9 @@ def command(step, args=(), *, nproc=2, python=(sys.executable,), script=None, po
         return [[*python, script, *args]]
     if how == "spawn":
         return [[*python, script, *args, "--nproc", str(nproc)]]
+    if how == "ray":  # the head offers nproc CPUs: room for nproc workers on the CPU
+        local = [*python, os.path.join(root, "tools", "ray_local.py"), f"--num-cpus={nproc}", "--"]
+        return [[*local, *python, script, *args, "--nproc", str(nproc)]]
     procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":
         return [[*python, "-m", "torch.distributed.run", "--standalone", procs, script, *args]]
