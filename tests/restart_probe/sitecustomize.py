@@ -1,9 +1,9 @@
 """Loaded at start-up by every Python process with this folder on PYTHONPATH (tests/test_fault_tolerance.py).
 
-In a torchrun worker of the first round (TORCHELASTIC_RESTART_COUNT=0) whose RANK is PROBE_KILL_RANK, a thread
-SIGKILLs the process as soon as PROBE_SNAPSHOT exists: a worker lost right after the first snapshot. In a worker
-of the second round whose RANK is PROBE_LATE_RANK, start-up sleeps PROBE_LATE_SECONDS first: a peer that does
-not come. Every worker prints its round and the rendezvous store it was given.
+In a torchrun worker of the first round (TORCHELASTIC_RESTART_COUNT=0) whose RANK is PROBE_KILL_RANK, a
+thread SIGKILLs the process as soon as PROBE_SNAPSHOT exists: a worker lost right after the first snapshot. In
+a worker of the second round whose RANK is PROBE_LATE_RANK, start-up sleeps PROBE_LATE_SECONDS first: a peer
+that does not come. Every worker prints its round and the rendezvous store it was given.
 """
 
 import os
