@@ -40,10 +40,7 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # this process, all of them
         self.device = device
         self.model = model.to(device)
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.args = args
+        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # DDP: every process starts from rank 0's weights, and backward() averages the gradients
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
