@@ -2,6 +2,7 @@
 SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes keep the whole file at a few
 minutes on 2 cores."""
 
+import argparse
 import http.server
 import json
 import os
@@ -331,14 +332,68 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
         (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--weight_decay", "inf"], "--weight_decay must be a finite number, got inf"),
+        (["--parallel", "pp"], "--parallel pp needs at least 2 processes"),  # WORLD_SIZE unset: one process
+        (["--snapshot_path", "blocker/s.pt"], "--snapshot_path blocker/s.pt: "),
+        (["--metrics_path", "blocker/deeper/m.jsonl"], "--metrics_path blocker/deeper/m.jsonl: "),
     ],
 )
-def test_nonsense_numbers_get_an_argparse_error(args, message, capsys):
+def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "blocker").write_text("a file where a folder would have to be")
     config = import_gpt_module("config")
     with pytest.raises(SystemExit) as exc:
         config.parse_args(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_path):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "file").write_text("")
+    args = ["--snapshot_path", "ro/file/gpt.pt", "--metrics_path", "m.jsonl", "--max_steps", "5"]
+    proc = run([PYTHON, TRAIN, *args], timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "--snapshot_path ro/file/gpt.pt: " in proc.stdout and "is not a directory" in proc.stdout
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "ro"]  # no metrics, no snapshot
+
+
+def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, cache):
+    train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
+    before = (tmp_path / "gpt_snapshot.pt").read_bytes()
+    # from step 10 on, an lr of 1e30: the weights overflow within a step or two
+    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 5, "--lr", 1e30, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert re.search(r"error: the loss became (nan|inf) by step 1[1-5] ", proc.stdout), proc.stdout[-2000:]
+    assert "gpt_snapshot.pt still holds the last good snapshot" in proc.stdout
+    assert "Traceback" not in proc.stdout and "saved gpt_snapshot.pt at step 15" not in proc.stdout
+    assert (tmp_path / "gpt_snapshot.pt").read_bytes() == before
+
+
+def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
+    trainer = import_gpt_module("trainer")
+    native = {"value": False}  # a GPU before compute capability 8.0: torch emulates bf16 there
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: including_emulation or native["value"],
+    )
+    assert trainer.resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    native["value"] = True
+    assert trainer.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert trainer.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_mfu_uses_each_gpus_own_peak(monkeypatch):
+    trainer = import_gpt_module("trainer")
+    args = argparse.Namespace(peak_tflops=None)
+    expected = {"NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12}
+    for name, peak in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert trainer.peak_flops(args, torch.device("cuda")) == peak, name
 
 
 def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):

@@ -182,6 +182,16 @@ def plant(kind, snapshot_dir, tmp_path):
     if kind == "metadata":
         (step_dir / ".metadata").write_bytes(pickle.dumps(RunsCode()))
         return step_dir / ".metadata"
+    if kind == "escaping":  # the data moved out of the folder, and .metadata naming it there
+        with open(step_dir / ".metadata", "rb") as f:
+            metadata = import_gpt_module("checkpoint")._MetadataUnpickler(f).load()
+        for item in metadata.storage_data.values():
+            outside = tmp_path / item.relative_path
+            if not outside.exists():
+                (step_dir / item.relative_path).rename(outside)
+            item.relative_path = str(outside)  # absolute: DCP would read it, wherever it is
+        (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+        return step_dir / ".metadata"
     # distcp: the same checkpoint written again by DCP itself, with one optimizer setting an object
     _, model, optimizer = import_gpt_module("export").load_whole(snapshot_dir)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -194,7 +204,7 @@ def plant(kind, snapshot_dir, tmp_path):
     return data
 
 
-@pytest.mark.parametrize("kind", ["other_config", "exported", "extra", "metadata", "distcp"])
+@pytest.mark.parametrize("kind", ["other_config", "exported", "extra", "metadata", "distcp", "escaping"])
 def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, crashed, kind):
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
     planted = plant(kind, tmp_path / "gpt_snapshot", tmp_path)
@@ -212,12 +222,13 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
         *(["--n_layer", 3] if kind == "other_config" else []),
     ]
     procs = [train(tmp_path, cache, *args, check=False, env=env)]
-    if kind in ("metadata", "distcp"):
+    if kind in ("metadata", "distcp", "escaping"):
         procs.append(export(tmp_path / "gpt_snapshot", tmp_path / "out.pt", check=False, env=env))
     for proc in procs:
         assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
         assert "cannot resume from" in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
         assert kind != "other_config" or "another configuration: n_layer 2 (this run: 3)" in proc.stdout
+        assert kind != "escaping" or "leaves the snapshot's folder" in proc.stdout, proc.stdout[-2000:]
     assert not (tmp_path / "pwned").exists()
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
 

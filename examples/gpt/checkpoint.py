@@ -111,8 +111,19 @@ def _reader(step_dir):
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            folder = Path(step_dir).resolve()
+            with open(folder / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            # DCP joins these paths to the folder as they are: an absolute one, or one with "..", would
+            # make it read any file on the machine. Refused before any data is read.
+            for item in (getattr(metadata, "storage_data", None) or {}).values():
+                where = getattr(item, "relative_path", None)
+                if (
+                    not isinstance(where, str)
+                    or os.path.isabs(where)
+                    or not ((folder / where).resolve().is_relative_to(folder))
+                ):
+                    raise pickle.UnpicklingError(f"a storage path, {where!r}, leaves the snapshot's folder")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -216,7 +227,7 @@ def load_sharded_header(path, expected):
         _reader(step_dir).read_metadata()
     except pickle.UnpicklingError as exc:
         raise SnapshotError(
-            f"cannot resume from {path}: {step_dir / '.metadata'} holds more than checkpoint metadata "
+            f"cannot resume from {path}: {step_dir / '.metadata'} is not plain checkpoint metadata "
             f"({exc}). It was left untouched; move it away or pass another --snapshot_path"
         ) from None
     except Exception as exc:

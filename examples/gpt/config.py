@@ -1,6 +1,7 @@
 """Command line and size presets. Preset values are defaults: any option given on the command line wins."""
 
 import argparse
+import math
 import os
 
 import torch
@@ -107,6 +108,9 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for key, value in vars(args).items():  # nan and inf pass every comparison below, or wrongly fail it
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"--{key} must be a finite number, got {value}")
     for key in POSITIVE:
         if getattr(args, key) <= 0:
             parser.error(f"--{key} must be positive, got {getattr(args, key)}")
@@ -143,7 +147,26 @@ def parse_args(argv=None):
     for ok, message in checks + model_parallel_checks(args):
         if not ok:
             parser.error(message)
+    for option in ("snapshot_path", "metrics_path"):  # found now, not at the first save after training
+        problem = unwritable(getattr(args, option))
+        if problem:
+            parser.error(f"--{option} {getattr(args, option)}: {problem}")
     return parser, args
+
+
+def unwritable(path):
+    """Why a file or directory could not be created at path, or None: the nearest folder that exists on
+    the way to it must be a writable directory. Nothing is created."""
+    if path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{folder} is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
 
 
 def model_parallel_checks(args):
@@ -166,6 +189,11 @@ def model_parallel_checks(args):
     if how == "pp":
         checks += [
             (
+                world >= 2,
+                "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
+                "start it with torchrun --nproc-per-node 2 or more",
+            ),
+            (
                 world <= args.n_layer,
                 f"--parallel pp: {world} pipeline stages (WORLD_SIZE) but only {args.n_layer} layers "
                 "(--n_layer): at least one block per stage",
@@ -185,9 +213,14 @@ def model_parallel_checks(args):
                 f"--parallel pp: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches instead",
             ),
             (
-                args.dtype != "fp16" and (args.dtype != "auto" or not cuda or torch.cuda.is_bf16_supported()),
+                args.dtype != "fp16" and (args.dtype != "auto" or not cuda or native_bf16()),
                 "--parallel pp: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient scaler, "
                 "which pp lacks here: pass --dtype fp32 or bf16",
             ),
         ]
     return checks
+
+
+def native_bf16():
+    """bfloat16 in hardware (compute capability 8.0 on): is_bf16_supported() alone counts emulation too."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)

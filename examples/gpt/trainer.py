@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 
@@ -12,12 +13,19 @@ import data
 import parallel
 import torch
 import torch.distributed as dist
-from config import MODEL_KEYS
+from config import MODEL_KEYS, native_bf16
 from memory import MemoryMeter
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12)]
+PEAK_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+]
 
 
 def setup_processes():
@@ -40,7 +48,7 @@ def resolve_dtype(name, device):
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16() else torch.float16
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
@@ -258,23 +266,42 @@ class Trainer:
             loss_sum += self.train_step()
             steps += 1
             last = self.step == a.max_steps
+            saving = self.step % a.save_every == 0 or last
             if self.step % a.log_every == 0 or last:
                 loss = self.mean_over_ranks(loss_sum / steps)  # also waits for the device to finish
+                self.stop_if_diverged(loss)
                 self.log_interval(loss, steps, time.perf_counter() - clock)
                 loss_sum.zero_()
                 steps = 0
+            elif saving:  # no snapshot of weights that a non-finite loss has reached
+                self.stop_if_diverged(self.mean_over_ranks(loss_sum / steps))
             paused = time.perf_counter()  # evaluation and snapshots stay out of the throughput
             if self.step % a.eval_every == 0 or last:
                 val_loss = self.evaluate()
                 self.log(f"step {self.step} | val loss {val_loss:.4f}")
                 self.record(step=self.step, val_loss=val_loss)
-            if self.step % a.save_every == 0 or last:
+            if saving:
                 self.save()
                 self.log(f"saved {a.snapshot_path} at step {self.step}")
             clock += time.perf_counter() - paused
             if steps == 0:
                 clock = time.perf_counter()
         self.finish(meter)
+
+    def stop_if_diverged(self, loss):
+        """Every process sees the same mean loss: all stop together, before anything more is saved."""
+        if math.isfinite(loss):
+            return
+        path = self.args.snapshot_path
+        kept = f"{path} still holds the last good snapshot" if os.path.exists(path) else "nothing was saved"
+        if self.rank == 0:
+            print(
+                f"error: the loss became {loss} by step {self.step} (lr {self.lr_at(self.step - 1):.2e}): "
+                f"training stopped, {kept}. Lower --lr, or raise --warmup_steps",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.exit(1)
 
     def log_interval(self, loss, steps, seconds):
         """One line (and one metrics record) for the steps since the last one, nanoGPT style."""
