@@ -374,17 +374,17 @@ def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_s
 
 
 def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
-    trainer = import_gpt_module("trainer")
+    config = import_gpt_module("config")
     native = {"value": False}  # a GPU before compute capability 8.0: torch emulates bf16 there
     monkeypatch.setattr(
         torch.cuda,
         "is_bf16_supported",
         lambda including_emulation=True: including_emulation or native["value"],
     )
-    assert trainer.resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.float16
     native["value"] = True
-    assert trainer.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert trainer.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert config.resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 def test_mfu_uses_each_gpus_own_peak(monkeypatch):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PYTHON, TORCHRUN, load_snapshot, run
+from conftest import EXAMPLES, PYTHON, TORCHRUN, free_port, load_snapshot, run
 from test_gpt import GPT, TINY, TRAIN, RunsCode, assert_identical, cache, import_gpt_module, max_diff
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -240,3 +240,40 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
         config.parse_args(["--parallel", "fsdp", "--comm_hook", "fp16"])
     assert exc.value.code == 2
     assert "--comm_hook is for DDP" in capsys.readouterr().err
+
+
+MIXED_PRECISION_PROBE = """
+import argparse, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import parallel
+from model import GPT, GPTConfig
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
+seen = []  # the dtype of a block's weight while the block runs, and of the gradient it reduces
+block = next(iter(model.blocks.values()))
+linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+parallel.fsdp(model, argparse.Namespace(dtype=sys.argv[3]), torch.device("cpu"))
+x = torch.randint(16, (2, 8))
+with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sys.argv[3] == "bf16"):
+    model(x, x)[1].backward()
+shard = next(iter(block.parameters()))
+print("RESULT", seen[0], shard.dtype, shard.grad.dtype)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        ("bf16", "torch.bfloat16 torch.float32 torch.float32"),
+        ("fp32", "torch.float32 torch.float32 torch.float32"),
+    ],
+)
+def test_fsdp_under_bf16_computes_in_bf16_and_keeps_float32_shards_and_gradients(tmp_path, dtype, expected):
+    script = tmp_path / "probe.py"
+    script.write_text(MIXED_PRECISION_PROBE)
+    proc = run([PYTHON, script, EXAMPLES / "gpt", free_port(), dtype], timeout=120)
+    assert f"RESULT {expected}" in proc.stdout, proc.stdout[-2000:]

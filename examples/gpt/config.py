@@ -224,3 +224,12 @@ def model_parallel_checks(args):
 def native_bf16():
     """bfloat16 in hardware (compute capability 8.0 on): is_bf16_supported() alone counts emulation too."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_dtype(name, device):
+    """--dtype as a torch dtype: auto is bfloat16 on GPUs that have it, else float16; float32 on CPUs."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if native_bf16() else torch.float16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

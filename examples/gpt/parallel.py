@@ -38,12 +38,18 @@ def fsdp(model, args, device):
     just before its forward and backward and drops them after; gradients are reduce-scattered, so each
     process keeps the gradient and AdamW state of its part alone. The tied embedding/output matrix
     belongs to no block: the root call shards it, once."""
-    from torch.distributed.fsdp import fully_shard  # imported here: it costs every run a second or two
+    from config import resolve_dtype  # here: config reads this module's names when it is imported
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # a second or two to import
 
+    # bf16: weights gathered and computed in bfloat16, gradients reduced in float32 into float32 shards,
+    # which AdamW updates (the master weights); otherwise everything travels in float32
+    policy = MixedPrecisionPolicy()
+    if resolve_dtype(args.dtype, device) == torch.bfloat16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     raw = getattr(model, "_orig_mod", model)  # under torch.compile, shard the module it wraps
     for block in raw.blocks.values():
-        fully_shard(block)
-    fully_shard(raw)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(raw, mp_policy=policy)
     return model
 
 

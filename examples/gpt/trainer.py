@@ -13,7 +13,7 @@ import data
 import parallel
 import torch
 import torch.distributed as dist
-from config import MODEL_KEYS, native_bf16
+from config import MODEL_KEYS, resolve_dtype
 from memory import MemoryMeter
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
 
@@ -42,14 +42,6 @@ def setup_processes():
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
-
-
-def resolve_dtype(name, device):
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if native_bf16() else torch.float16
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def peak_flops(args, device):
