@@ -438,3 +438,22 @@ def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
     proc = run([PYTHON, REPO / "tools" / "bench_gpt.py", "--strategies", "nope"], timeout=120, check=False)
     assert proc.returncode == 2
     assert "--strategies: unknown ['nope']; train.py's --parallel choices: ['ddp'" in proc.stdout
+
+
+def test_raising_max_steps_on_resume_keeps_the_cosine_and_says_what_changed(tmp_path, cache):
+    train(tmp_path, cache, "--max_steps", 20, "--save_every", 20, "--weight_decay", 0.1)
+    proc = train(tmp_path, cache, "--max_steps", 30, "--metrics_path", "m.jsonl", "--weight_decay", 0.0)
+    assert "note: changed since the snapshot: max_steps 20 -> 30, weight_decay 0.1 -> 0" in proc.stdout
+    assert "The cosine ends at step 20" in proc.stdout, proc.stdout[-2000:]
+    lrs = logged_lrs(tmp_path / "m.jsonl")
+    assert lrs and all(lr == pytest.approx(1e-4) for lr in lrs), lrs  # min_lr, no jump back up
+    # --decay_steps given: the cosine is reshaped to end there, as asked
+    (tmp_path / "m.jsonl").unlink()
+    train(tmp_path, cache, "--max_steps", 40, "--decay_steps", 60, "--metrics_path", "m.jsonl")
+    lrs = logged_lrs(tmp_path / "m.jsonl")
+    assert lrs and min(lrs) > 1e-4, lrs
+
+
+def logged_lrs(metrics):
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [record["lr"] for record in records if "lr" in record]

@@ -114,6 +114,7 @@ def parse_args(argv=None):
     for key in POSITIVE:
         if getattr(args, key) <= 0:
             parser.error(f"--{key} must be positive, got {getattr(args, key)}")
+    args.decay_given = args.decay_steps is not None  # else a resumed run keeps its snapshot's
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     sharded = args.parallel in SHARDED_SNAPSHOTS

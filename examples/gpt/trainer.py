@@ -17,6 +17,8 @@ from config import MODEL_KEYS, resolve_dtype
 from memory import MemoryMeter
 from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
 
+# The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [
     ("H100 PCIe", 756e12),
@@ -123,6 +125,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "rng": rng,  # one entry per process
             "parallel": self.args.parallel,  # whose processes drew those streams
+            "schedule": {key: getattr(self.args, key) for key in SCHEDULE_KEYS},
         }
 
     def _cuda_rng(self):
@@ -146,10 +149,28 @@ class Trainer:
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
         else:
             torch.manual_seed(self.args.seed + 1 + self.dp_rank + self.step * self.dp_world)
+        self.compare_schedule(snapshot.get("schedule", {}))
         if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
             self.log(
                 f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
                 f"{snapshot['global_batch']}; this run has {self.args.seed} and {self.global_batch}"
+            )
+
+    def compare_schedule(self, before):
+        """Say what this run changes from the snapshot's. The cosine keeps its end (decay_steps) unless
+        --decay_steps is given: raising --max_steps then goes on at min_lr instead of reshaping it."""
+        a = self.args
+        if "decay_steps" in before and not a.decay_given:
+            a.decay_steps = before["decay_steps"]
+        changed = [
+            f"{key} {before[key]:g} -> {getattr(a, key):g}"
+            for key in before
+            if before[key] != getattr(a, key)
+        ]
+        if changed:
+            self.log(
+                f"note: changed since the snapshot: {', '.join(changed)}. The cosine ends at step "
+                f"{a.decay_steps} (--decay_steps moves it); AdamW's weight decay and betas stay as saved"
             )
 
     def save(self):
