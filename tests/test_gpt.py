@@ -338,12 +338,17 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
         (["--parallel", "pp"], "--parallel pp needs at least 2 processes"),  # WORLD_SIZE unset: one process
         (["--snapshot_path", "blocker/s.pt"], "--snapshot_path blocker/s.pt: "),
         (["--metrics_path", "blocker/deeper/m.jsonl"], "--metrics_path blocker/deeper/m.jsonl: "),
+        (["--restarts"], "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"),
     ],
 )
 def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "blocker").write_text("a file where a folder would have to be")
+    if args == ["--restarts"]:  # what torchrun --max-restarts=3 tells its workers when it shares its store
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+        args = []
     config = import_gpt_module("config")
     with pytest.raises(SystemExit) as exc:
         config.parse_args(args)

@@ -144,6 +144,12 @@ def parse_args(argv=None):
             f"--snapshot_path {args.snapshot_path} is a file: --parallel {args.parallel} saves a directory",
         ),
         (not (args.comm_hook and args.parallel == "fsdp"), "--comm_hook is for DDP: fsdp reduce-scatters"),
+        (
+            os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.getenv("TORCHELASTIC_MAX_RESTARTS") == "0",
+            "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...: with "
+            "torchrun's store shared, restarted processes can wait forever (docs/fault-tolerance.md)",
+        ),
     ]
     for ok, message in checks + model_parallel_checks(args):
         if not ok:
