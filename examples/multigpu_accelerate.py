@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # now, before any group: imported later (by DDP) it would keep the group alive
+import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
@@ -70,7 +70,7 @@ def main(args):
     sampler = RandomSampler(train_set, generator=torch.Generator())  # one order, split by prepare()
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, accelerator, args).train()
-    accelerator.end_training()
+    accelerator.end_training()  # destroys the group; one still held (see imports) could abort the exit
 
 
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.

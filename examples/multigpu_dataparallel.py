@@ -55,8 +55,8 @@ def main(args):
     gpus = torch.cuda.device_count()
     if gpus < 2:
         advice = "run single_gpu.py for one device, or multigpu.py (DDP, also on the CPU) instead"
-        print(f"DataParallel needs 2 or more GPUs and this machine has {gpus}: {advice}.", flush=True)
-        return
+        print(f"DataParallel needs 2 or more GPUs and this machine has {gpus}: {advice}.", file=sys.stderr)
+        sys.exit(2)  # a refusal, not a success: scripts and make stop here
     device = torch.device("cuda:0")  # the model's home: its replicas are copied from here every step
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = RandomSampler(train_set, generator=torch.Generator())  # shuffled; seeded every epoch

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # now, before any group: imported later (by DDP) it would keep the group alive
+import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -74,7 +74,7 @@ def main(args):
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # a group still held (see imports) keeps threads that can abort the exit
 
 
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.

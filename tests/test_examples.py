@@ -138,8 +138,10 @@ def test_multinode_refuses_nodes_that_see_different_snapshots(tmp_path):
     assert not (tmp_path / "b" / "snap.pt").exists() and "epoch 2/2" not in out
 
 
-def test_dataparallel_without_2_gpus_says_what_to_run_instead_and_writes_nothing(tmp_path):
-    proc = run(example_cmd("multigpu_dataparallel", 2, 1), timeout=120, cwd=tmp_path)  # no GPU visible
+def test_dataparallel_without_2_gpus_refuses_says_what_to_run_instead_and_writes_nothing(tmp_path):
+    cmd = example_cmd("multigpu_dataparallel", 2, 1)  # no GPU visible
+    proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout  # a refusal is not a success
     assert "DataParallel needs 2 or more GPUs and this machine has 0: run single_gpu.py" in proc.stdout
     assert "multigpu.py (DDP, also on the CPU)" in proc.stdout
     assert not list(tmp_path.iterdir())
