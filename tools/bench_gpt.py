@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(TRAIN.parent))  # config and parallel: train.py's options and strategies
@@ -59,7 +60,8 @@ def data_parallel_shares(strategy, procs, train_args):
     import parallel
     from config import parse_args
 
-    _, args = parse_args(["--parallel", strategy, *train_args])
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(procs)}):  # checked for the world it will run in
+        _, args = parse_args(["--parallel", strategy, *train_args])
     return parallel.data_parallel_layout(args, 0, procs)[1]
 
 
