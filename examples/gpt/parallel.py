@@ -140,11 +140,6 @@ def gradient_sync(model, enabled):
     return nullcontext()
 
 
-def full_parameters(model):
-    """Every parameter whole, in every process: FSDP's shards (DTensors) are gathered; a collective."""
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-
-
 # ---- pp: the train step and the validation loss ---------------------------------------------------------
 class Layers(nn.Module):
     """A pipeline stage's module: what it receives in, what it sends on (GPT.layers)."""
@@ -244,9 +239,12 @@ def clip_grad_norm_(model, max_norm, args):
 
 
 def replicas(model, args):
-    """(what, tensors): the parameters every process that holds them must end with bit for bit."""
+    """(what, tensors): the parameters every process that holds them must end with bit for bit; none
+    under fsdp, where no two processes hold the same part (gathering them would prove nothing)."""
+    if args.parallel == "fsdp" and dist.is_initialized():
+        return "fsdp shards every parameter: no replicas to compare", []
     if not split_model(args):
-        return "final weights", full_parameters(model)
+        return "final weights", list(model.parameters())
     if args.parallel == "tp":
         return "final unsplit weights", [_local(p) for p in model.parameters() if not _split(p)]
     ends = [

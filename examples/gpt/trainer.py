@@ -343,9 +343,11 @@ class Trainer:
         # whole (fsdp: gathered) weights, or under tp and pp the ones processes share, compared by digest
         what, tensors = parallel.replicas(self.raw, self.args)  # pp: only the first and last stage hold some
         digests = [d for d in all_ranks(weights_sha256(tensors) if tensors else None) if d is not None]
-        if len(set(digests)) != 1:
+        if not digests and self.world > 1:
+            self.log(what)
+        elif len(set(digests)) != 1:
             raise RuntimeError(f"{what} differ across processes: {digests}")
-        if self.world > 1:
+        elif self.world > 1:
             self.log(f"{what} identical on {len(digests)} ranks")
         if self.args.sample_chars:
             model = self.raw  # every process generates: a sharded (fsdp) model's forward is a collective
