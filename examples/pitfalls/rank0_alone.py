@@ -1,0 +1,64 @@
+"""Pitfall: rank 0 works alone (saves, evaluates, logs to a slow disk) while the other ranks go on to the
+next collective. They wait for rank 0 there; if its work takes longer than the timeout, the run fails, and
+with torch's default timeouts (30 min gloo, 10 min NCCL) it looks like a hang first.
+
+python examples/pitfalls/rank0_alone.py [--fixed]    # --fixed: every rank takes its share of the work
+"""
+
+import argparse
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = timedelta(seconds=3)  # short here, so that the failure shows in seconds
+WORK = 6.0  # seconds of evaluation in all: longer than the timeout when one rank does it alone
+
+
+def evaluate(share):
+    time.sleep(WORK * share)  # stands for validation batches, or writing a big snapshot
+    return torch.tensor([share])
+
+
+def worker(rank, fixed):
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
+    try:
+        if fixed:  # the fix: every rank evaluates half, then they meet, well within the timeout
+            done = evaluate(0.5)
+            dist.all_reduce(done)
+        else:
+            if rank == 0:
+                evaluate(1.0)
+            # monitored_barrier: every rank reports in, so a late one is named instead of a bare timeout
+            dist.monitored_barrier(timeout=TIMEOUT)
+    except RuntimeError as exc:
+        sys.exit(f"seen: rank {rank}: {' '.join(str(exc).split())[:240]}")
+    if rank == 0:
+        each = f"{WORK / 2:g} s each"
+        print(f"fixed: both ranks evaluated half ({each}), met within {TIMEOUT.seconds} s", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixed", action="store_true", help="apply the fix")
+    args = parser.parse_args()
+    with socket.socket() as s:  # a free port for the group's store
+        s.bind(("localhost", 0))
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
+    try:
+        mp.spawn(worker, args=(args.fixed,), nprocs=2)
+    except mp.ProcessExitedException:
+        sys.exit(
+            f"cause: rank 0 worked alone for {WORK:g} s while rank 1 waited for it in a collective, past the "
+            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or raise the timeout"
+        )
+
+
+if __name__ == "__main__":
+    main()
