@@ -56,7 +56,7 @@ def main():
     except mp.ProcessExitedException:
         sys.exit(
             f"cause: rank 0 worked alone for {WORK:g} s while rank 1 waited for it in a collective, past the "
-            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or raise the timeout"
+            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or a longer timeout"
         )
 
 
