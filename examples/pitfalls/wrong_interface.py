@@ -7,6 +7,7 @@ python examples/pitfalls/wrong_interface.py [--fixed]    # --fixed: an interface
 
 import argparse
 import os
+import re
 import socket
 import sys
 from datetime import timedelta
@@ -19,7 +20,7 @@ def worker(rank):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=5))
     except Exception as exc:
-        first = " ".join(str(exc).split())[:200]
+        first = re.sub(r"^\[[^]]*\] ", "", " ".join(str(exc).split()))[:200]  # without the C++ source line
         sys.exit(f"seen: rank {rank}: {type(exc).__name__}: {first}")
     if rank == 0:
         print(f"fixed: the group formed over {os.environ['GLOO_SOCKET_IFNAME']}", flush=True)

@@ -1,0 +1,51 @@
+"""examples/pitfalls: each script, run as it is, fails within its bound and names its cause in its last
+line; with --fixed it succeeds. One pass of tools/pitfalls.py (what `make pitfalls` runs) checks them all."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import PYTHON, REPO, run
+
+# pitfall -> what its last line must name, and what its broken run must have shown
+EXPECTED = {
+    "uneven_inputs": ("uneven inputs", "Timed out"),
+    "rank0_alone": ("rank 0 worked alone", "monitoredBarrier"),
+    "mismatched_collectives": ("mismatched collectives", "rank 0 ALLREDUCE, rank 1 BROADCAST"),
+    "unused_parameters": ("unused parameters", "Expected to have finished reduction"),
+    "no_set_epoch": ("no set_epoch", "epoch 0, rank 0 of 2 gets samples"),
+    "wrong_interface": ("wrong interface", "Unable to find address for: eth9"),
+    "port_in_use": ("port in use", "EADDRINUSE"),
+    "node_local_snapshots": ("node-local snapshots", "the nodes found different snapshots"),
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pitfalls") / "report.json"
+    proc = run([PYTHON, REPO / "tools" / "pitfalls.py", "--json", out], timeout=1200, check=False)
+    return proc, {r["name"]: r for r in json.loads(out.read_text())}
+
+
+def test_every_script_is_covered_and_short():
+    scripts = sorted((REPO / "examples" / "pitfalls").glob("*.py"))
+    assert sorted(s.stem for s in scripts) == sorted(EXPECTED)
+    for script in scripts:
+        assert len(script.read_text().splitlines()) <= 80, script.name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name):
+    proc, results = report
+    result, (cause, seen) = results[name], EXPECTED[name]
+    broken, fixed = result["broken"], result["fixed"]
+    assert broken["code"] not in (0, None), broken  # None: still running after tools/pitfalls.py's 60 s
+    assert broken["seconds"] < 60 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
+    assert any(seen in line for line in broken["lines"]), broken["lines"][-10:]
+    assert fixed["code"] == 0, fixed["lines"][-10:]
+    assert f"{name} " in proc.stdout and "fixed: yes" in proc.stdout.split(name, 1)[1].splitlines()[0]
+
+
+def test_make_pitfalls_refuses_an_unknown_name():
+    proc = subprocess.run([PYTHON, REPO / "tools" / "pitfalls.py", "nosuch"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no such pitfall: nosuch" in proc.stderr

@@ -1,0 +1,75 @@
+"""Run every script of examples/pitfalls broken, then with --fixed, and print one line each (make pitfalls).
+
+    python tools/pitfalls.py [--json FILE] [NAME ...]
+
+A pitfall passes when its broken run fails (non-zero) within LIMIT seconds with its last line naming the
+cause ("cause: ...") and its fixed run exits 0. Exit status: 0 if every pitfall passes, else 1.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PITFALLS = Path(__file__).resolve().parent.parent / "examples" / "pitfalls"
+LIMIT = 60  # seconds: every pitfall bounds its own waits well below this
+
+
+def run(script, fixed):
+    """One run: its exit status (None if it outlived LIMIT), seconds, the lines it printed."""
+    command = [sys.executable, str(script), *(["--fixed"] if fixed else [])]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=LIMIT, env=env
+        )
+        code, output = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        code, output = None, exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return {"code": code, "seconds": round(time.monotonic() - start, 1), "lines": lines}
+
+
+def check(name):
+    broken, fixed = run(PITFALLS / f"{name}.py", False), run(PITFALLS / f"{name}.py", True)
+    cause = broken["lines"][-1] if broken["lines"] else ""
+    seen = next((line.removeprefix("seen: ") for line in broken["lines"] if line.startswith("seen: ")), "")
+    return {
+        "name": name,
+        "broken": broken,
+        "fixed": fixed,
+        "seen": seen,
+        "cause": cause.removeprefix("cause: ") if cause.startswith("cause: ") else None,
+        "ok": broken["code"] not in (0, None) and cause.startswith("cause: ") and fixed["code"] == 0,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="pitfalls to run (default: all)")
+    parser.add_argument("--json", help="write every run's status, time and output here")
+    args = parser.parse_args(argv)
+    known = sorted(p.stem for p in PITFALLS.glob("*.py"))
+    unknown = sorted(set(args.names) - set(known))
+    if unknown:
+        parser.error(f"no such pitfall: {', '.join(unknown)} (known: {', '.join(known)})")
+    results = []
+    for name in args.names or known:
+        result = check(name)
+        results.append(result)
+        broken, fixed = result["broken"], result["fixed"]
+        ended = "no end" if broken["code"] is None else f"exit {broken['code']}, {broken['seconds']} s"
+        seen = result["seen"] if len(result["seen"]) <= 90 else result["seen"][:87] + "..."
+        done = f"fixed: {'yes' if fixed['code'] == 0 else 'no'} ({fixed['seconds']} s)"
+        print(f"{name:22} | {ended:16} | {seen or '-':90} | {done}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
