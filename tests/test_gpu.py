@@ -59,6 +59,13 @@ def test_trains_on_the_gpus(runs, name):
 
 
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
+def test_each_rank_runs_on_its_own_gpu(runs, name):
+    """The set_device pitfall (docs/troubleshooting.md): rank r of one node on cuda:r, never all on cuda:0."""
+    ranks = runs[1][name].ranks
+    assert {rank: place[0] for rank, place in ranks.items()} == {r: f"cuda:{r}" for r in range(GPUS)}, ranks
+
+
+@pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_ddp_with_nccl_equals_one_gpu_with_the_global_batch(runs, name):
     folder, logs = runs
     expected = load_snapshot(folder / "single_gpu" / "single_gpu_snapshot.pt")["MODEL_STATE"]
