@@ -340,7 +340,7 @@ class Trainer:
             "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
             + f" ({memory[0]['peak_kind']})"
         )
-        # whole (fsdp: gathered) weights, or under tp and pp the ones processes share, compared by digest
+        # the weights processes hold alike (ddp, zero: all; tp, pp: the shared ones), compared by digest
         what, tensors = parallel.replicas(self.raw, self.args)  # pp: only the first and last stage hold some
         digests = [d for d in all_ranks(weights_sha256(tensors) if tensors else None) if d is not None]
         if not digests and self.world > 1:
