@@ -139,3 +139,39 @@ def test_doctor_on_the_gpus(tmp_path):
     assert f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" in proc.stdout
     backend = "nccl" if GPUS >= 2 else "gloo on the CPU"  # two processes never share one GPU
     assert f"PASS  all-reduce   2 local processes agree on the sum ({backend})" in proc.stdout
+
+
+NCCL_TIMEOUT = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", timeout=timedelta(seconds=10), device_id=torch.device("cuda", rank))
+x = torch.ones(1, device="cuda")
+dist.all_reduce(x)  # one collective both ranks finish: the recorder's first entry
+torch.cuda.synchronize()
+if rank == 0:
+    time.sleep(60)  # works alone (the rank0_alone pitfall), past the timeout
+dist.all_reduce(x)  # rank 1 waits here for rank 0
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.skipif(GPUS < 2, reason="an NCCL timeout needs two ranks, one GPU each")
+def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_rank_ran(tmp_path):
+    """docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
+    watchdog names the one that timed out and writes the record of the rank that waited."""
+    script = tmp_path / "nccl_timeout.py"
+    script.write_text(NCCL_TIMEOUT)
+    env = {
+        **GPU_ENV,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl_trace_rank_"),
+    }
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
+    proc = run(cmd, timeout=120, check=False, cwd=tmp_path, env=env)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "Watchdog caught collective operation timeout" in proc.stdout, proc.stdout[-3000:]
+    assert list(tmp_path.glob("nccl_trace_rank_*")), proc.stdout[-3000:]  # the flight recorder's dump
