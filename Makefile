@@ -118,7 +118,7 @@ diff: ## what each step adds to the previous one
 # make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
 # make gpt GPT_ARGS="--parallel fsdp"       or zero, tp, "pp --pp_schedule gpipe": beyond DDP (docs/parallelism.md)
 # make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
-# make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each --parallel strategy, vs the theory
+# make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each layout on 4 processes, vs the theory
 GPT_ARGS ?=
 GPT_BENCH_ARGS ?=
 MEMORY_ARGS ?=
@@ -126,12 +126,12 @@ MEMORY_ARGS ?=
 
 gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
-	  --snapshot_path $(RUNS)/gpt/snapshot.pt --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
+	  --snapshot_path $(RUNS)/gpt/snapshot --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
 
 bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
 
-memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each --parallel strategy
+memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each layout, 1-D and 2-D
 	$(PY) tools/memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)
 # ==== end GPT ============================================================================================
 

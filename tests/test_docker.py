@@ -44,7 +44,7 @@ EPOCHS, SAVE_EVERY = 4, 2
 SNAPSHOTS = {
     "multinode": "/snapshots/multinode.pt",
     "accelerate": "/snapshots/accelerate.pt",
-    "gpt": "/snapshots/gpt.pt",
+    "gpt": "/snapshots/gpt",
     "ray": "/snapshots/ray.pt",
 }
 PREFIX_RE = re.compile(r"^[\w-]+\s+\| ", re.M)  # `node0-1  | ` before each line of `up`'s output
@@ -465,8 +465,12 @@ def test_gpt_across_two_containers(project):
     proc, seconds = proj.up()
     print(f"gpt-cpu: compose run {seconds:.0f} s")
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert "identical on 4 ranks" in proj.logs("node0"), proj.logs("node0")[-3000:]
-    code = f"import torch; print(torch.load({SNAPSHOTS['gpt']!r}, weights_only=True)['step'])"
+    assert "replicas identical: 4 copies" in proj.logs("node0"), proj.logs("node0")[-3000:]
+    snapshot = SNAPSHOTS["gpt"]  # a directory: PATH/latest names the newest complete step's folder
+    code = (
+        f"import pathlib, torch; p = pathlib.Path({snapshot!r}); d = p / (p / 'latest').read_text().strip(); "
+        "print(torch.load(d / 'extra.pt', weights_only=True)['step'])"
+    )
     assert int(proj.in_node(code).split()[-1]) == 20
 
 

@@ -25,7 +25,6 @@ from conftest import (
     TORCHRUN,
     free_port,
     import_gpt_module,
-    load_snapshot,
     needs_gpu,
     run,
     start_torchrun_agent,
@@ -52,6 +51,16 @@ def train(cwd, cache, *args, nproc=None, timeout=600, check=True, env=None):
     return run(cmd, timeout=timeout, cwd=cwd, check=check, env=env)
 
 
+def saved(folder, name="gpt_snapshot"):
+    """The snapshot directory folder/name as one process holds it: what export.py writes in one file."""
+    return import_gpt_module("export").single_file_state(folder / name)
+
+
+def files(folder):
+    """{path: bytes} of every file under folder."""
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -68,12 +77,13 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
     torch.manual_seed(0)
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
     model = model_mod.GPT(cfg).eval()
+    model.init_weights(seed=0)
     idx = torch.randint(50, (3, 16))
-    base, _ = model(idx)
+    base = model(idx)
     for t in (0, 5, 15):
         changed = idx.clone()
         changed[:, t] = (changed[:, t] + 1) % 50
-        out, _ = model(changed)
+        out = model(changed)
         assert out[:, :t].equal(base[:, :t]), f"a token at {t} changed earlier outputs"
         assert not torch.allclose(out[:, t], base[:, t]), "the changed position itself must change"
 
@@ -97,10 +107,10 @@ def single(tmp_path_factory, cache):
 
 
 def test_ddp_on_2_ranks_equals_one_process_with_the_same_global_batch(ddp2, single):
-    ddp = load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"]
-    one = load_snapshot(single[0] / "gpt_snapshot.pt")["model"]
+    ddp = saved(ddp2[0])["model"]
+    one = saved(single[0])["model"]
     assert max_diff(ddp, one) < 1e-4  # float summation order, amplified by Adam: about 4e-5 measured
-    assert "identical on 2 ranks" in ddp2[1], ddp2[1][-2000:]
+    assert "replicas identical: 2 copies" in ddp2[1], ddp2[1][-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +121,10 @@ def accum(tmp_path_factory, cache):
 
 
 def test_gradient_accumulation_equals_the_larger_batch(accum, single, ddp2):
-    accum = load_snapshot(accum / "gpt_snapshot.pt")["model"]
-    assert max_diff(accum, load_snapshot(single[0] / "gpt_snapshot.pt")["model"]) < 1e-4
+    accum = saved(accum)["model"]
+    assert max_diff(accum, saved(single[0])["model"]) < 1e-4
     # (g1 + g2) / 2 from DDP and g1 / 2 + g2 / 2 from accumulation are the same floats
-    assert_identical(accum, load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"])
+    assert_identical(accum, saved(ddp2[0])["model"])
 
 
 def test_loss_falls_well_below_the_unigram_entropy_of_the_default_corpus(tmp_path, cache):
@@ -138,9 +148,9 @@ def test_metrics_file_holds_one_record_per_log_line_and_evaluation(ddp2):
 
 def test_a_16_bit_comm_hook_keeps_replicas_identical_and_close_to_float32(tmp_path, cache, ddp2):
     proc = train(tmp_path, cache, *RUN, "--batch_size", 8, "--comm_hook", "bf16", nproc=2)
-    assert "identical on 2 ranks" in proc.stdout, proc.stdout[-2000:]
-    hooked = load_snapshot(tmp_path / "gpt_snapshot.pt")["model"]
-    plain = load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"]
+    assert "replicas identical: 2 copies" in proc.stdout, proc.stdout[-2000:]
+    hooked = saved(tmp_path)["model"]
+    plain = saved(ddp2[0])["model"]
     # gradients rounded to 8 significant bits on the wire: the run differs from float32 DDP, a little
     assert 0 < max_diff(hooked, plain) < 2e-2
 
@@ -150,12 +160,12 @@ def test_a_compiled_model_trains_like_the_eager_one_and_its_snapshot_resumes_eag
     steps = ["--max_steps", 6, "--batch_size", 8, "--eval_every", 6]
     train(tmp_path / "eager", cache, *steps)
     compiled_run = train(tmp_path, cache, *steps, "--compile")
-    compiled = load_snapshot(tmp_path / "gpt_snapshot.pt")["model"]
-    eager = load_snapshot(tmp_path / "eager" / "gpt_snapshot.pt")["model"]
+    compiled = saved(tmp_path)["model"]
+    eager = saved(tmp_path / "eager")["model"]
     assert compiled.keys() == eager.keys()  # the plain model's names: no "_orig_mod." from torch.compile
     assert max_diff(compiled, eager) < 1e-4, compiled_run.stdout[-2000:]
     resumed = train(tmp_path, cache, "--max_steps", 8, "--batch_size", 8, "--eval_every", 6)
-    assert "resuming from gpt_snapshot.pt at step 6" in resumed.stdout, resumed.stdout[-2000:]
+    assert "resuming from gpt_snapshot at step 6" in resumed.stdout, resumed.stdout[-2000:]
 
 
 @needs_gpu
@@ -176,10 +186,10 @@ def assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, stop, e
     train(tmp_path / "full", cache, *args, "--max_steps", end, nproc=nproc)
     train(tmp_path, cache, *args, "--max_steps", stop, nproc=nproc)
     proc = train(tmp_path, cache, *args, "--max_steps", end, nproc=nproc)
-    assert f"resuming from gpt_snapshot.pt at step {stop}" in proc.stdout, proc.stdout[-2000:]
+    assert f"resuming from gpt_snapshot at step {stop}" in proc.stdout, proc.stdout[-2000:]
     full, resumed = (
-        load_snapshot(tmp_path / "full" / "gpt_snapshot.pt"),
-        load_snapshot(tmp_path / "gpt_snapshot.pt"),
+        saved(tmp_path / "full"),
+        saved(tmp_path),
     )
     assert resumed["step"] == end
     assert_identical(full["model"], resumed["model"])
@@ -211,10 +221,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
     finally:
         agent.kill()
     assert agent.returncode == 0, out[-4000:]
-    assert re.search(r"resuming from gpt_snapshot.pt at step (1\d|20)$", out, re.M), out[-4000:]
-    resumed = load_snapshot(tmp_path / "gpt_snapshot.pt")
+    assert re.search(r"resuming from gpt_snapshot at step (1\d|20)$", out, re.M), out[-4000:]
+    resumed = saved(tmp_path)
     assert resumed["step"] == 60
-    assert_identical(load_snapshot(ddp2[0] / "gpt_snapshot.pt")["model"], resumed["model"])
+    assert_identical(saved(ddp2[0])["model"], resumed["model"])
 
 
 class RunsCode:
@@ -224,19 +234,18 @@ class RunsCode:
 
 @pytest.mark.parametrize("kind", ["other_config", "code"])
 def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, ddp2, kind):
-    path = tmp_path / "gpt_snapshot.pt"
+    path = tmp_path / "gpt_snapshot.pt"  # a single file, imported with --init_from
     if kind == "code":
         path.write_bytes(pickle.dumps({"config": RunsCode()}))
         message = "not a plain weights file"
     else:
-        path.write_bytes((ddp2[0] / "gpt_snapshot.pt").read_bytes())
+        import_gpt_module("checkpoint").save_file(path, saved(ddp2[0]))
         message = "another configuration: n_layer 2 (this run: 3)"
     before = path.read_bytes()
     # torch.load's own default made unsafe: only the trainer's weights_only=True stands in the way
     env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
-    proc = train(
-        tmp_path, cache, "--max_steps", 5, "--n_layer", 3, "--metrics_path", "m", check=False, env=env
-    )
+    args = ["--max_steps", 5, "--n_layer", 3, "--metrics_path", "m", "--init_from", path.name]
+    proc = train(tmp_path, cache, *args, check=False, env=env)
     assert proc.returncode != 0
     assert message in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout
@@ -368,14 +377,14 @@ def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_pat
 
 def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, cache):
     train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
-    before = (tmp_path / "gpt_snapshot.pt").read_bytes()
+    before = files(tmp_path / "gpt_snapshot")
     # from step 10 on, an lr of 1e30: the weights overflow within a step or two
     proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 5, "--lr", 1e30, check=False)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert re.search(r"error: the loss became (nan|inf) by step 1[1-5] ", proc.stdout), proc.stdout[-2000:]
-    assert "gpt_snapshot.pt still holds the last good snapshot" in proc.stdout
-    assert "Traceback" not in proc.stdout and "saved gpt_snapshot.pt at step 15" not in proc.stdout
-    assert (tmp_path / "gpt_snapshot.pt").read_bytes() == before
+    assert "gpt_snapshot still holds the last good snapshot" in proc.stdout
+    assert "Traceback" not in proc.stdout and "saved gpt_snapshot at step 15" not in proc.stdout
+    assert files(tmp_path / "gpt_snapshot") == before
 
 
 def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):

@@ -8,10 +8,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, TORCHRUN, free_port, load_snapshot, run
-from test_gpt import GPT, TINY, TRAIN, RunsCode, assert_identical, cache, import_gpt_module, max_diff
+from conftest import EXAMPLES, PYTHON, TORCHRUN, free_port, run
+from test_gpt import GPT, TINY, TRAIN, RunsCode, assert_identical, cache, import_gpt_module, max_diff, saved
 from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
 
@@ -25,12 +24,12 @@ CRASH = """
 import os, runpy, signal, sys
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import checkpoint
-save = checkpoint.save
+save_file = checkpoint.save_file
 def dying_save(path, state):
     if state["step"] == 40:
         os.kill(os.getpid(), signal.SIGKILL)
-    save(path, state)
-checkpoint.save = dying_save
+    save_file(path, state)
+checkpoint.save_file = dying_save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -89,34 +88,32 @@ def assert_same_optimizer(a, b):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache):
-    """40 steps on 2 processes under each strategy, global batch 24; fsdp's snapshot exported."""
+    """40 steps on 2 processes under each strategy, global batch 24; snapshots as one process holds them."""
     out = {}
     for strategy in ("ddp", "zero", "fsdp"):
         cwd = tmp_path_factory.mktemp(strategy)
         proc = train(cwd, cache, *STEPS, *ON_2, "--parallel", strategy, nproc=2)
-        if strategy == "fsdp":  # the command, then the file it writes
-            export(cwd / "gpt_snapshot", cwd / "gpt_snapshot.pt", env={"OMP_NUM_THREADS": "1"})
-        out[strategy] = (load_snapshot(cwd / "gpt_snapshot.pt"), proc.stdout)
+        out[strategy] = (saved(cwd), proc.stdout)
         out[f"{strategy}_dir"] = cwd
     return out
 
 
 def test_zero_on_2_ranks_equals_ddp(runs):
     (ddp, _), (zero, log) = runs["ddp"], runs["zero"]
-    assert "final weights identical on 2 ranks" in log, log[-2000:]
+    assert "replicas identical: 2 copies" in log, log[-2000:]
     assert_identical(ddp["model"], zero["model"])  # each parameter is updated by the same AdamW arithmetic
-    assert_same_optimizer(ddp["optimizer"], zero["optimizer"])  # consolidated: the single-file format
+    assert_same_optimizer(ddp["optimizer"], zero["optimizer"])  # each rank wrote its share; read whole
 
 
 def test_fsdp_on_2_ranks_equals_ddp_and_keeps_the_tied_matrix_one(runs):
     (ddp, _), (fsdp, log) = runs["ddp"], runs["fsdp"]
     # no parameter is held by two processes: nothing to compare, and no full gather to do it
-    assert "fsdp shards every parameter: no replicas to compare" in log, log[-2000:]
+    assert "no weights are replicated across processes in this layout" in log, log[-2000:]
     assert fsdp["step"] == 40 and fsdp["model"].keys() == ddp["model"].keys()
     # the tied matrix stayed one parameter in training: AdamW state for the embedding, none for the head
     snapshot = runs["fsdp_dir"] / "gpt_snapshot"
     with open(next(snapshot.glob("step-*/.metadata")), "rb") as f:
-        saved = import_gpt_module("checkpoint")._MetadataUnpickler(f).load().state_dict_metadata
+        saved = import_gpt_module("checkpoint").MetadataUnpickler(f).load().state_dict_metadata
     assert "optimizer.state.tok_emb.weight.exp_avg" in saved
     assert not [key for key in saved if key.startswith("optimizer.state.head.")], sorted(saved)
     print(f"fsdp vs ddp, 40 steps: max parameter difference {max_diff(ddp['model'], fsdp['model']):.3g}")
@@ -166,10 +163,11 @@ def test_resume_on_another_number_of_processes(tmp_path, cache, crashed, runs, n
 def test_the_exported_file_resumes_as_a_single_file_snapshot(tmp_path, cache, crashed, runs):
     export(crashed, tmp_path / "gpt_snapshot.pt")
     # one process: --parallel zero is plain AdamW there, as the other strategies are
-    proc = train(tmp_path, cache, *STEPS, "--batch_size", 24, "--parallel", "zero")
+    args = ["--batch_size", 24, "--parallel", "zero", "--init_from", "gpt_snapshot.pt"]
+    proc = train(tmp_path, cache, *STEPS, *args)
     assert "resuming from gpt_snapshot.pt at step 20" in proc.stdout, proc.stdout[-2000:]
     assert "1 process(es) on cpu" in proc.stdout
-    assert max_diff(runs["fsdp"][0]["model"], load_snapshot(tmp_path / "gpt_snapshot.pt")["model"]) < 1e-4
+    assert max_diff(runs["fsdp"][0]["model"], saved(tmp_path)["model"]) < 1e-4
 
 
 # ---- snapshots it cannot use: another model shape, files that would run code ---------------------------
@@ -191,7 +189,7 @@ def plant(kind, snapshot_dir, tmp_path):
         return step_dir / ".metadata"
     if kind == "escaping":  # the data moved out of the folder, and .metadata naming it there
         with open(step_dir / ".metadata", "rb") as f:
-            metadata = import_gpt_module("checkpoint")._MetadataUnpickler(f).load()
+            metadata = import_gpt_module("checkpoint").MetadataUnpickler(f).load()
         for item in metadata.storage_data.values():
             outside = tmp_path / item.relative_path
             if not outside.exists():
@@ -201,11 +199,13 @@ def plant(kind, snapshot_dir, tmp_path):
         return step_dir / ".metadata"
     # distcp: the same checkpoint written again by DCP itself, with one optimizer setting an object
     _, model, optimizer = import_gpt_module("export").load_whole(snapshot_dir)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    optimizer_state["param_groups"][0]["lr"] = RunsCode()
+    state = import_gpt_module("checkpoint").flat_state(model, optimizer)
+    lr = next(k for k in state if k.startswith("optimizer.param_groups.") and k.endswith(".lr"))
+    state[lr] = RunsCode()
     for old in step_dir.glob("*.distcp"):
         old.unlink()
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=step_dir, no_dist=True)
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # the trainer's flat keys, as it saves them
+    dcp.save(state, checkpoint_id=step_dir, no_dist=True, planner=planner)
     data = next(step_dir.glob("*.distcp"))
     assert b"touch pwned" in data.read_bytes()
     return data
@@ -215,6 +215,8 @@ def plant(kind, snapshot_dir, tmp_path):
 def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, crashed, kind):
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
     planted = plant(kind, tmp_path / "gpt_snapshot", tmp_path)
+    if kind == "exported":  # a single file, imported into a new run
+        shutil.rmtree(tmp_path / "gpt_snapshot")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert planted in before
     # torch.load's own default made unsafe: only the trainer's explicit choices stand in the way
@@ -227,6 +229,7 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
         "--batch_size",
         24,
         *(["--n_layer", 3] if kind == "other_config" else []),
+        *(["--init_from", "gpt_snapshot.pt"] if kind == "exported" else []),
     ]
     procs = [train(tmp_path, cache, *args, check=False, env=env)]
     if kind in ("metadata", "distcp", "escaping"):
@@ -250,19 +253,22 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
 
 
 MIXED_PRECISION_PROBE = """
-import argparse, sys
+import sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import parallel
 from model import GPT, GPTConfig
+from torch.distributed.device_mesh import init_device_mesh
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
 model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
+model.init_weights(seed=0)
 seen = []  # the dtype of a block's weight while the block runs, and of the gradient it reduces
 block = next(iter(model.blocks.values()))
 linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
 linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-parallel.fsdp(model, argparse.Namespace(dtype=sys.argv[3]), torch.device("cpu"))
+parallel.apply_fsdp(model, mesh, torch.bfloat16 if sys.argv[3] == "bf16" else None)
 x = torch.randint(16, (2, 8))
 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sys.argv[3] == "bf16"):
     model(x, x)[1].backward()

@@ -31,7 +31,8 @@ def corpus(tmp_path):
 
 def test_the_report_of_ddp_on_2_ranks_equals_a_direct_count(tmp_path, corpus):
     out = tmp_path / "out"
-    cmd = [PYTHON, TOOL, "--strategies", "ddp", "--steps", 2, "--out", out, "--cache_dir", tmp_path / "cache"]
+    cmd = [PYTHON, TOOL, "--strategies", "ddp", "--ranks", 2, "--steps", 2, "--out", out]
+    cmd += ["--cache_dir", tmp_path / "cache"]
     proc = run([*cmd, "--", "--data", corpus, *TINY], timeout=300, cwd=tmp_path)
     params = gpt_parameter_tensors(len(set(corpus.read_text())))
     count = sum(p.numel() for p in params)
@@ -58,7 +59,8 @@ def test_the_report_of_ddp_on_2_ranks_equals_a_direct_count(tmp_path, corpus):
 
 def test_a_strategy_that_fails_is_reported_with_its_error(tmp_path):
     out = tmp_path / "out"
-    cmd = [PYTHON, TOOL, "--strategies", "ddp", "--steps", 1, "--out", out, "--", "--data", "missing.txt"]
+    cmd = [PYTHON, TOOL, "--strategies", "ddp", "--ranks", 2, "--steps", 1, "--out", out]
+    cmd += ["--", "--data", "missing.txt"]
     proc = run(cmd, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout

@@ -8,7 +8,7 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python tools/bench_gpt.py --strategies ddp zero
 
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
-larger batch per process (parallel.data_parallel_layout says how many data-parallel shares there are).
+larger batch per process (the layout's dp says how many data-parallel shares there are).
 tools/memory.py starts its trainings through run_training() below.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from unittest import mock
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
-sys.path.insert(0, str(TRAIN.parent))  # config and parallel: train.py's options and strategies
+sys.path.insert(0, str(TRAIN.parent))  # config: train.py's options and layouts
 VARIANTS = {
     # name: (processes, threads per process)
     "one_process_2_threads": (1, 2),
@@ -57,12 +57,11 @@ def strategies():
 
 def data_parallel_shares(strategy, procs, train_args):
     """How many shares of each global batch `procs` processes of this strategy take."""
-    import parallel
     from config import parse_args
 
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(procs)}):  # checked for the world it will run in
         _, args = parse_args(["--parallel", strategy, *train_args])
-    return parallel.data_parallel_layout(args, 0, procs)[1]
+    return args.layout.dp
 
 
 def run_training(
@@ -71,7 +70,7 @@ def run_training(
     """train.py for `steps` steps on `procs` processes (torchrun when more than one), on the CPU unless cpu
     is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last line).
     """
-    metrics, snapshot = work / f"{name}.jsonl", work / f"{name}-snapshot"  # fsdp's is a directory
+    metrics, snapshot = work / f"{name}.jsonl", work / f"{name}-snapshot"  # a directory
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable]
     if procs > 1:
@@ -85,9 +84,7 @@ def run_training(
     except subprocess.TimeoutExpired as exc:
         raise TrainingFailed(f"no end within {limit:.0f} s") from exc
     finally:
-        if snapshot.is_dir():
-            shutil.rmtree(snapshot)
-        snapshot.unlink(missing_ok=True)
+        shutil.rmtree(snapshot, ignore_errors=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         lines = [line.strip() for line in output.splitlines() if line.strip()]

@@ -1,9 +1,11 @@
-"""Memory per rank of the GPT trainer under every --parallel strategy, next to what each should hold.
+"""Memory per rank of the GPT trainer under every layout, next to what each should hold.
 
-    python tools/memory.py                                   # every strategy, a few steps each
-    python tools/memory.py --strategies ddp --steps 3 -- --n_layer 2    # options after -- go to train.py
+    python tools/memory.py                                   # every layout on 4 processes, a few steps each
+    python tools/memory.py --ranks 2 --strategies ddp fsdp --steps 3 -- --n_layer 2   # after --: train.py's
 
-Each strategy trains for --steps steps on 2 CPU processes (one per GPU on a machine with 2 or more), and
+The layouts: each --parallel strategy (all processes along one mesh dimension) and, on 4 processes, the
+2-D ones (LAYOUTS). Each trains for --steps steps on --ranks CPU processes (one per GPU where there are
+that many GPUs), and
 every rank reports the bytes of its parameters, gradients and optimizer state (its local shards where a
 strategy shards them) and its peak memory: peak RSS on CPUs, which includes torch itself and the corpus,
 or the CUDA allocator's peak on GPUs. Prints the table, and writes memory.json, memory.md and memory.png
@@ -30,7 +32,24 @@ THEORY = {
     "fsdp": (("1/N", "1/N", "1/N"), "params, grads and optimizer state about 1/N"),
     "tp": (None, "the split linears 1/N, the rest whole"),
     "pp": (None, "the layers of one stage"),
+    "hsdp": ((0.5, 0.5, 0.5), "everything 1/2: sharded over dp_shard 2, replicated over dp_replicate 2"),
+    "fsdp x tp": (None, "block linears 1/4 (tp 2, then dp_shard 2), embeddings and norms 1/2"),
+    "pp x fsdp": (None, "one stage's layers, 1/2 of them"),
+    "pp x ddp": (None, "one stage's layers, whole"),
 }
+# Layouts of two dimensions, for 4 processes: train.py's options for each.
+LAYOUTS = {
+    "hsdp": ["--dp_replicate", 2, "--dp_shard", 2],
+    "fsdp x tp": ["--dp_shard", 2, "--tp", 2],
+    "pp x fsdp": ["--pp", 2, "--dp_shard", 2],
+    "pp x ddp": ["--pp", 2, "--dp_replicate", 2],
+}
+
+
+def layouts(ranks):
+    """{name: train.py's options}: every --parallel strategy, and the 2-D layouts when ranks is 4."""
+    one_d = {strategy: ["--parallel", strategy] for strategy in strategies()}
+    return one_d | (LAYOUTS if ranks == 4 else {})
 
 
 def theory(strategy, ranks):
@@ -41,10 +60,10 @@ def theory(strategy, ranks):
     return f"{share}: {text}"
 
 
-def measure(strategy, ranks, cpu, args, train_args, work):
+def measure(name, options, ranks, cpu, args, train_args, work):
     """Every rank's memory record, in rank order."""
     records, _ = run_training(
-        strategy, ranks, 1, ["--parallel", strategy, *train_args], work, steps=args.steps,
+        name.replace(" ", ""), ranks, 1, [*options, *train_args], work, steps=args.steps,
         cache_dir=args.cache_dir, limit=args.limit, cpu=cpu,
     )  # fmt: skip
     memory = sorted((r for r in records if "memory" in r), key=lambda r: r["rank"])
@@ -59,7 +78,7 @@ def markdown(results, ranks, device):
 
     peak = "peak RSS" if device == "cpu" else "CUDA peak allocated"
     lines = [
-        row("strategy", "rank", "params (bytes)", "grads (bytes)", "optimizer state (bytes)",
+        row("layout", "rank", "params (bytes)", "grads (bytes)", "optimizer state (bytes)",
             f"{peak} (MiB)", "share of ddp's (measured)", "share of ddp's (theory)"),
         "|---|---:|---:|---:|---:|---:|---|---|",
     ]  # fmt: skip
@@ -70,8 +89,8 @@ def markdown(results, ranks, device):
             continue
         for rank, m in enumerate(result["ranks"]):
             shares = "-"
-            if isinstance(ddp, dict) and "ranks" in ddp:
-                shares = " / ".join(f"{m[k] / ddp['ranks'][rank][k]:.2f}" for k in KINDS)
+            if isinstance(ddp, dict) and "ranks" in ddp:  # every DDP rank holds the same
+                shares = " / ".join(f"{m[k] / ddp['ranks'][0][k]:.2f}" for k in KINDS)
             bytes_ = [f"{m[k]:,}" for k in KINDS]
             lines.append(
                 row(
@@ -113,8 +132,10 @@ def plot(results, ranks, device, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--strategies", nargs="+", metavar="NAME", help="a subset of train.py's --parallel choices"
-    )
+        "--strategies", nargs="+", metavar="NAME",
+        help="a subset of the layouts: train.py's --parallel choices and, on 4 ranks, " + ", ".join(LAYOUTS),
+    )  # fmt: skip
+    p.add_argument("--ranks", type=int, default=4, help="processes on CPUs (4); on GPUs, all of them")
     p.add_argument("--steps", type=int, default=3, help="training steps per strategy (3)")
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=600, help="seconds one strategy's run may take (600)")
@@ -122,26 +143,30 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after --: train.py's own options
     args, train_args = p.parse_args(argv[:split]), argv[split + 1 :]
-    known = strategies()
-    chosen = args.strategies or known
+    if args.steps <= 0 or args.limit <= 0 or args.ranks < 2:
+        p.error("--steps and --limit must be positive, --ranks 2 or more")
+    gpus = torch.cuda.device_count()
+    ranks, device = (gpus, "cuda") if gpus >= 2 else (args.ranks, "cpu")
+    known = layouts(ranks)
+    chosen = args.strategies or list(known)
     unknown = [s for s in chosen if s not in known]
     if unknown:
-        p.error(f"--strategies: unknown {unknown}; train.py's --parallel choices: {known}")
-    if args.steps <= 0 or args.limit <= 0:
-        p.error("--steps and --limit must be positive")
+        p.error(
+            f"--strategies: unknown {unknown}; train.py's --parallel choices: {strategies()}"
+            + ("" if ranks == 4 else f" (the 2-D layouts {list(LAYOUTS)} need 4 ranks)")
+        )
     if args.cache_dir is None:
         from config import default_cache_dir
 
         args.cache_dir = default_cache_dir()
-    gpus = torch.cuda.device_count()
-    ranks, device = (gpus, "cuda") if gpus >= 2 else (2, "cpu")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in chosen:
             try:
-                results[strategy] = {
-                    "ranks": measure(strategy, ranks, device == "cpu", args, train_args, Path(tmp))
-                }
+                ranks_memory = measure(
+                    strategy, known[strategy], ranks, device == "cpu", args, train_args, Path(tmp)
+                )
+                results[strategy] = {"ranks": ranks_memory}
             except TrainingFailed as exc:
                 results[strategy] = {"failed": str(exc)}
             status = results[strategy].get("failed")

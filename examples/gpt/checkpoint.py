@@ -1,4 +1,16 @@
-"""Snapshots: written atomically by one process, read without running any code, checked against the run."""
+"""Snapshots: one path for every layout. A snapshot is a directory that every process writes its parts into
+with torch.distributed.checkpoint (DCP), through get_state_dict/set_state_dict, so any layout and any
+number of processes resumes any other's; a crash at any moment leaves the previous one complete. Nothing is
+read that would run code, or that lies outside the snapshot's folder.
+
+    PATH/latest                         the name of the newest complete step directory, replaced atomically
+    PATH/step-00000060-<id>/.metadata   DCP's index of the parts
+    PATH/step-00000060-<id>/*.distcp    the model's and the optimizer's tensors, as each process held them
+    PATH/step-00000060-<id>/extra.pt    the rest: config, vocabulary, step, random states... (rank 0)
+
+A single file (export.py writes one from a snapshot) holds the same, whole: torch.load(weights_only=True)
+reads it, and --init_from imports it into any layout (import_file).
+"""
 
 import os
 import pickle
@@ -6,6 +18,7 @@ import re
 import shutil
 import time
 import warnings
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,8 +27,8 @@ class SnapshotError(Exception):
     """A snapshot this run cannot resume from; it is left as it is."""
 
 
-def save(path, state):
-    """torch.save into a temporary file, fsync, then rename over path: a crash leaves the old snapshot."""
+def save_file(path, state):
+    """torch.save into a temporary file, fsync, then rename over path: a crash leaves the old file."""
     import torch
 
     path = Path(path)
@@ -31,23 +44,20 @@ def save(path, state):
         tmp.unlink(missing_ok=True)
 
 
-def load(path, expected):
-    """The snapshot at path, after checking that its entries in `expected` (model shape, vocabulary) match.
-
-    weights_only=True: only tensors and plain containers are unpickled, never objects that run code.
-    A directory is a sharded snapshot (load_sharded_header); None when it holds no complete one yet.
-    """
+def load_file(path, expected):
+    """The single-file snapshot at path, after checking that its entries in `expected` (model shape,
+    vocabulary) match. weights_only=True: only tensors and plain containers are unpickled, never objects
+    that run code; mmap: its tensors stay on disk until used (only rank 0 uses them: import_file)."""
     import torch
 
-    if Path(path).is_dir():
-        return load_sharded_header(path, expected)
-
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not zipfile.is_zipfile(path):  # torch.save's format is a zip archive; a bare pickle is not
+            raise pickle.UnpicklingError("not a zip archive")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise SnapshotError(
             f"cannot resume from {path}: not a plain weights file (corrupt, or holding objects that would "
-            "run code when loaded). It was left untouched; move it away or pass another --snapshot_path"
+            "run code when loaded). It was left untouched; move it away or pass another file"
         ) from None
     except Exception as exc:
         first_line = (str(exc).strip() or "no detail").splitlines()[0]
@@ -67,15 +77,13 @@ def load(path, expected):
     return state
 
 
-# ---- sharded snapshots: a directory, each process writing and reading its own shards ---------------------
-#   PATH/latest                    the name of the newest complete step directory, replaced atomically
-#   PATH/step-00000060-<id>/       torch.distributed.checkpoint (DCP) files: model and optimizer, in shards
-#   PATH/step-00000060-<id>/extra.pt  the rest (config, step, random states...) as in a single-file snapshot
+# ---- snapshot directories --------------------------------------------------------------------------------
 POINTER = "latest"
 STEP_DIR = re.compile(r"^step-\d{8}-[0-9a-f]+$")
 
-# What DCP's .metadata pickle may name: its own record classes, torch.Size, dtypes, layouts and paths.
-_METADATA_CLASSES = {
+# What DCP's .metadata pickle may name: its own record classes, torch.Size, dtypes, layouts and paths (the
+# names of the classes DCP pickles, some of them private to torch: data to compare, not code to call).
+METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -93,37 +101,44 @@ _METADATA_CLASSES = {
 }  # fmt: skip
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         import torch
 
-        if (module, name) in _METADATA_CLASSES or (
+        if (module, name) in METADATA_CLASSES or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
-def _reader(step_dir):
-    """DCP's file reader, with .metadata unpickled through an allowlist instead of plain pickle.load."""
+def read_metadata(step_dir):
+    """DCP's index of a step directory, unpickled through the allowlist; every file it names must lie
+    inside step_dir (DCP would join an absolute or ../ path to the folder and open whatever it names)."""
+    step_dir = Path(step_dir)
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = MetadataUnpickler(f).load()
+    root = os.path.realpath(step_dir)
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        inside = os.path.realpath(os.path.join(root, name))
+        if not name or os.path.isabs(name) or os.path.commonpath([root, inside]) != root or inside == root:
+            raise SnapshotError(
+                f"cannot resume from {step_dir}: a storage path in its .metadata, {name!r}, leaves the "
+                "snapshot's folder; nothing was read. It was left untouched; move it away or pass another "
+                "--snapshot_path"
+            )
+    return metadata
+
+
+def reader(step_dir):
+    """DCP's file reader, reading the index through read_metadata instead of plain pickle.load."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            folder = Path(step_dir).resolve()
-            with open(folder / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            # DCP joins these paths to the folder as they are: an absolute one, or one with "..", would
-            # make it read any file on the machine. Refused before any data is read.
-            for item in (getattr(metadata, "storage_data", None) or {}).values():
-                where = getattr(item, "relative_path", None)
-                if (
-                    not isinstance(where, str)
-                    or os.path.isabs(where)
-                    or not ((folder / where).resolve().is_relative_to(folder))
-                ):
-                    raise pickle.UnpicklingError(f"a storage path, {where!r}, leaves the snapshot's folder")
+            metadata = read_metadata(self.path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -132,33 +147,28 @@ def _reader(step_dir):
     return SafeReader(step_dir)
 
 
-def _planner():
-    """DCP's default load planner, with non-tensor entries read by torch.load(weights_only=True)."""
+def planner():
+    """DCP's default load planner over a flat state dict, non-tensor entries read by
+    torch.load(weights_only=True) instead of torch.load(weights_only=False)."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
-            loaded = torch.load(value, weights_only=True)
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], loaded)
-            else:
-                self.state_dict[fqn] = loaded
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
-    return SafePlanner()
+    return SafePlanner(flatten_state_dict=False)
 
 
 @contextmanager
-def _no_single_process_warning():
+def no_single_process_warning():
     """DCP warns when it runs without a process group; here one process (or export.py) is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
         yield
 
 
-def _fsync_dir(path):
+def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -166,45 +176,84 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def save_sharded(path, model, optimizer, extra):
-    """A collective: every process writes its shards of the model and optimizer (any parallel layout that
-    get_state_dict understands) into a new step directory; then process 0 adds `extra` and points
-    PATH/latest at it with one atomic rename, and removes older step directories. A crash at any moment
-    leaves the previous snapshot complete and pointed at."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def flat_state(model, optimizer):
+    """This process's parts of the model's and the optimizer's state, one flat dict keyed by parameter
+    names ("model.<name>", "optimizer.state.<name>.exp_avg", "optimizer.param_groups.<name>.lr"), as
+    get_state_dict gives them (DTensors for parts of split tensors): names, not positions, so that any
+    layout finds its parts. An optimizer without state yet gets it (zeros) first, to be loaded into."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    distributed, path = dist.is_initialized(), Path(path)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    name = [f"step-{int(extra['step']):08d}-{time.time_ns():x}"]  # never the directory `latest` names
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return {f"model.{k}": v for k, v in model_state.items()} | {
+        f"optimizer.{k}": v for k, v in optimizer_state.items()
+    }
+
+
+def set_flat_state(model, optimizer, state):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    parts = {"model": {}, "optimizer": {}}
+    for key, value in state.items():
+        part, name = key.split(".", 1)
+        parts[part][name] = value
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    set_state_dict(model, optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optimizer"],
+                   options=options)  # fmt: skip
+
+
+def save(path, model, optimizer, extra):
+    """A collective: every process writes its parts of the model and the optimizer into a new step
+    directory; then rank 0 adds `extra`, points PATH/latest at it with one atomic rename and removes older
+    step directories. A crash at any moment leaves the previous snapshot complete and pointed at."""
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized()
+    name = [step_name(extra)]
     if distributed:
         dist.broadcast_object_list(name, src=0)
-    target = path / name[0]
-    with _no_single_process_warning():
-        dcp.save(
-            {"model": model_state, "optimizer": optimizer_state},
-            storage_writer=dcp.FileSystemWriter(target),
-            no_dist=not distributed,
-        )
-    if not distributed or dist.get_rank() == 0:
-        save(target / "extra.pt", extra)
-        _fsync_dir(target)
-        tmp = path / f"{POINTER}.tmp"
-        with open(tmp, "w") as f:
-            f.write(name[0] + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / POINTER)
-        _fsync_dir(path)
-        for old in path.iterdir():
-            if old.is_dir() and STEP_DIR.match(old.name) and old.name != name[0]:
-                shutil.rmtree(old)
+    write(path, name[0], flat_state(model, optimizer), extra, distributed)
     if distributed:
         dist.barrier()
 
 
-def _latest(path):
+def step_name(extra):
+    return f"step-{int(extra['step']):08d}-{time.time_ns():x}"  # never the directory `latest` names
+
+
+def write(path, name, state, extra, distributed):
+    """DCP writes `state` (flat: parameter names as keys) into PATH/name, every process its parts; then
+    rank 0 (or the only process) commits it: extra.pt, fsync, the pointer renamed, older steps removed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    path = Path(path)
+    target = path / name
+    with no_single_process_warning():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(target),
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+            no_dist=not distributed,
+        )
+    if distributed and dist.get_rank() != 0:
+        return
+    save_file(target / "extra.pt", extra)
+    fsync_dir(target)
+    tmp = path / f"{POINTER}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / POINTER)
+    fsync_dir(path)
+    for old in path.iterdir():
+        if old.is_dir() and STEP_DIR.match(old.name) and old.name != name:
+            shutil.rmtree(old)
+
+
+def latest(path):
     """The step directory PATH/latest names, or None when no save has completed yet."""
     pointer = Path(path) / POINTER
     if not pointer.exists():
@@ -215,40 +264,42 @@ def _latest(path):
     return Path(path) / name
 
 
-def load_sharded_header(path, expected):
-    """The newest complete sharded snapshot in directory `path`, checked like load(): its extra.pt
-    (config, step, random states) with "shards", its step directory, added; its .metadata is read
-    through the allowlist here already. None if no save has completed yet."""
-    step_dir = _latest(path)
+def load(path, expected):
+    """The newest complete snapshot in directory `path`, checked before any process group forms: its
+    extra.pt (config, step, random states), checked like a single file, with "shards" (its step
+    directory) added; its .metadata is read through the allowlist and the path check here already. None if
+    no save has completed yet."""
+    step_dir = latest(path)
     if step_dir is None:
         return None
-    state = load(step_dir / "extra.pt", expected)
+    state = load_file(step_dir / "extra.pt", expected)
     try:
-        _reader(step_dir).read_metadata()
+        read_metadata(step_dir)
     except pickle.UnpicklingError as exc:
         raise SnapshotError(
-            f"cannot resume from {path}: {step_dir / '.metadata'} is not plain checkpoint metadata "
+            f"cannot resume from {path}: {step_dir / '.metadata'} holds more than checkpoint metadata "
             f"({exc}). It was left untouched; move it away or pass another --snapshot_path"
         ) from None
+    except SnapshotError:
+        raise
     except Exception as exc:
         raise SnapshotError(f"cannot resume from {path}: {step_dir / '.metadata'}: {exc}") from None
     state["shards"] = str(step_dir)
     return state
 
 
-def load_sharded(step_dir, model, optimizer):
-    """A collective: every process reads the shards it holds (a different number of processes from the
-    saving run is fine: DCP reshards), then they are set into the model and the optimizer."""
+def load_shards(step_dir, model, optimizer):
+    """A collective: every process reads the parts it holds, whatever layout wrote them (DCP reshards),
+    and sets them into the model and the optimizer."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = flat_state(model, optimizer)
     try:
-        reader, planner = _reader(step_dir), _planner()
-        with _no_single_process_warning():
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+        with no_single_process_warning():
+            dcp.load(
+                state, storage_reader=reader(step_dir), planner=planner(), no_dist=not dist.is_initialized()
+            )
     except (Exception, dcp.CheckpointException) as exc:
         # DCP gathers every process's failure into one exception (not an Exception); name the first
         failures = getattr(exc, "failures", None)
@@ -260,4 +311,43 @@ def load_sharded(step_dir, model, optimizer):
             f"cannot resume from {step_dir}: {type(cause).__name__}: {first_line}. "
             "It was left untouched; move it away or pass another --snapshot_path"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_flat_state(model, optimizer, state)
+
+
+def import_file(path, state):
+    """A collective: a single-file snapshot (its whole model and optimizer, as export.py writes them) made
+    the first snapshot in directory PATH, by rank 0 alone; its step directory, which every process then
+    reads its parts from like any other snapshot's (load_shards). The file's tensors go to disk as they
+    are: no model is built for them."""
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized()
+    name = [None]
+    if not distributed or dist.get_rank() == 0:
+        extra = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+        name[0] = step_name(extra)
+        write(path, name[0], flat_whole(state), extra, distributed=False)
+    if distributed:
+        dist.broadcast_object_list(name, src=0)
+    return Path(path) / name[0]
+
+
+def flat_whole(state):
+    """A whole state's model and optimizer in flat_state's keys ("model.<name>", "optimizer.state.<name>.
+    <key>", "optimizer.param_groups.<name>.<key>"), as get_state_dict flattens an optimizer's state."""
+    flat = {f"model.{name}": value for name, value in state["model"].items()}
+    for name, values in state["optimizer"]["state"].items():
+        flat |= {f"optimizer.state.{name}.{key}": value for key, value in values.items()}
+    for group in state["optimizer"]["param_groups"]:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for name in group["params"]:
+            flat |= {f"optimizer.param_groups.{name}.{key}": value for key, value in settings.items()}
+    return flat
+
+
+def whole_state(model, optimizer):
+    """(model, optimizer) state dicts in full, in get_state_dict's form (parameter names as keys): what a
+    single-file snapshot holds. For one process holding the whole model (export.py)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer)

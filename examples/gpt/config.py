@@ -3,9 +3,9 @@
 import argparse
 import math
 import os
+from dataclasses import dataclass
 
 import torch
-from parallel import SCHEDULES, SHARDED_SNAPSHOTS, SPLIT_MODEL, STRATEGIES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -31,10 +31,69 @@ POSITIVE = (
     "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
     "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "pp_microbatches",
 )  # fmt: skip
+# --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
+SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
+SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the processes share the work: a device mesh of four named dimensions, outermost first (as
+    torchtitan orders them, so that tp's processes are neighbours, on one node): pipeline stages (pp), then
+    replicas (dp_replicate: DDP, or HSDP's replicas), then shards of the data-parallel state (dp_shard:
+    FSDP), then tensor-parallel parts of each matrix (tp). Rank r sits at the coordinates r has written in
+    mixed radix (pp, dp_replicate, dp_shard, tp). The data-parallel processes (dp_replicate x dp_shard of
+    them) each read their own share of a batch; the pp and tp processes of one share read the same one."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    zero: bool = False  # dp_replicate's AdamW state split over the replicas (ZeroRedundancyOptimizer)
+
+    NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+    @property
+    def shape(self):
+        return tuple(getattr(self, name) for name in self.NAMES)
+
+    @property
+    def world(self):
+        return math.prod(self.shape)
+
+    @property
+    def dp(self):
+        """Data-parallel shares of each global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank):
+        """{dimension: this rank's index along it}."""
+        out = {}
+        for name, size in zip(reversed(self.NAMES), reversed(self.shape), strict=True):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.NAMES}
+
+    def rank(self, **coords):
+        rank = 0
+        for name, size in zip(self.NAMES, self.shape, strict=True):
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def dp_rank(self, rank):
+        """Which share of each global batch this rank reads."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def describe(self):
+        parts = [f"{name} {size}" for name, size in zip(self.NAMES, self.shape, strict=True) if size > 1]
+        return (" x ".join(parts) or "one process") + (" (zero)" if self.zero else "")
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name in (*self.NAMES, "zero")}
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Train a character-level GPT, alone or under torchrun (DDP).")
+    p = argparse.ArgumentParser(description="Train a character-level GPT, alone or under torchrun.")
     p.add_argument("--model", choices=PRESETS, help="size preset (default: gpt2 with a GPU, cpu without one)")
     p.add_argument("--data", default="stdlib", help="stdlib (default), a UTF-8 text file, or an http(s) URL")
     p.add_argument(
@@ -47,7 +106,7 @@ def get_parser():
     group.add_argument("--dropout", type=float)
     group = p.add_argument_group("training (default: the preset's)")
     group.add_argument("--max_steps", type=int, help="optimizer steps in all")
-    group.add_argument("--batch_size", type=int, help="sequences per micro-batch per process")
+    group.add_argument("--batch_size", type=int, help="sequences per micro-batch per data-parallel process")
     group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step, added up (1)")
     group.add_argument("--lr", type=float, help="peak learning rate")
     group.add_argument("--min_lr", type=float, help="the cosine ends here (default lr / 10)")
@@ -64,9 +123,14 @@ def get_parser():
     group.add_argument("--log_every", type=int, help="a log line every this many steps")
     group.add_argument("--metrics_path", help="append one JSON line per log line and per evaluation")
     group.add_argument(
-        "--snapshot_path",
-        help="resume from, save to (gpt_snapshot.pt; a directory, gpt_snapshot, for --parallel fsdp)",
-    )
+        "--snapshot_path", default="gpt_snapshot",
+        help="the snapshot directory to resume from and save to, any layout's (%(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--init_from", metavar="FILE",
+        help="a single-file snapshot (examples/gpt/export.py writes one) to start from when "
+        "--snapshot_path holds none yet",
+    )  # fmt: skip
     group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
     group.add_argument("--sample_chars", type=int, default=200, help="characters generated at the end (200)")
     group = p.add_argument_group("speed")
@@ -77,9 +141,23 @@ def get_parser():
     group.add_argument("--compile", action="store_true", help="torch.compile the model")
     group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
     group.add_argument(
-        "--parallel", choices=STRATEGIES, default="ddp",
-        help="how processes share the work: ddp (a replica each), zero (AdamW state split), fsdp (everything "
-        "split), tp (every block's matrices split), pp (consecutive blocks each, a pipeline) (ddp)",
+        "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
+    )
+    group = p.add_argument_group(
+        "parallelism: a device mesh pp x dp_replicate x dp_shard x tp, whose product is the number of "
+        "processes (docs/parallelism.md)"
+    )
+    for name, text in [
+        ("pp", "pipeline stages, consecutive blocks each"),
+        ("dp_replicate", "data-parallel replicas (DDP; with dp_shard, HSDP)"),
+        ("dp_shard", "data-parallel processes that shard parameters, gradients and AdamW state (FSDP2)"),
+        ("tp", "tensor-parallel processes that split every block's matrices"),
+    ]:
+        group.add_argument(f"--{name}", type=int, help=f"{text} (1)")
+    group.add_argument(
+        "--parallel", choices=SHORTHAND,
+        help="shorthand for one dimension of all the processes: ddp (--dp_replicate), zero (the same with "
+        "AdamW's state split), fsdp (--dp_shard), tp (--tp), pp (--pp); default: ddp",
     )  # fmt: skip
     group.add_argument(
         "--pp_schedule", choices=SCHEDULES, default="1f1b",
@@ -87,9 +165,6 @@ def get_parser():
     )  # fmt: skip
     group.add_argument(
         "--pp_microbatches", type=int, default=4, help="pp: micro-batches each batch is cut into (4)"
-    )
-    group.add_argument(
-        "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
     )
     return p
 
@@ -111,14 +186,16 @@ def parse_args(argv=None):
     for key, value in vars(args).items():  # nan and inf pass every comparison below, or wrongly fail it
         if isinstance(value, float) and not math.isfinite(value):
             parser.error(f"--{key} must be a finite number, got {value}")
+    try:
+        args.layout = make_layout(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as exc:
+        parser.error(str(exc))
     for key in POSITIVE:
         if getattr(args, key) <= 0:
             parser.error(f"--{key} must be positive, got {getattr(args, key)}")
     args.decay_given = args.decay_steps is not None  # else a resumed run keeps its snapshot's
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    sharded = args.parallel in SHARDED_SNAPSHOTS
-    args.snapshot_path = args.snapshot_path or ("gpt_snapshot" if sharded else "gpt_snapshot.pt")
     checks = [
         (
             args.n_embd % args.n_head == 0,
@@ -135,15 +212,14 @@ def parse_args(argv=None):
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
         (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
         (
-            sharded or not os.path.isdir(args.snapshot_path),
-            f"--snapshot_path {args.snapshot_path} is a directory (--parallel fsdp's sharded snapshots are; "
-            "examples/gpt/export.py makes one file of them)",
+            not os.path.isfile(args.snapshot_path),
+            f"--snapshot_path {args.snapshot_path} is a file: snapshots are directories; to start from a "
+            f"single-file snapshot pass it as --init_from {args.snapshot_path} with another --snapshot_path",
         ),
         (
-            not sharded or not os.path.isfile(args.snapshot_path),
-            f"--snapshot_path {args.snapshot_path} is a file: --parallel {args.parallel} saves a directory",
+            args.init_from is None or os.path.isfile(args.init_from),
+            f"--init_from {args.init_from}: no such file",
         ),
-        (not (args.comm_hook and args.parallel == "fsdp"), "--comm_hook is for DDP: fsdp reduce-scatters"),
         (
             os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True"
             or os.getenv("TORCHELASTIC_MAX_RESTARTS") == "0",
@@ -151,7 +227,7 @@ def parse_args(argv=None):
             "torchrun's store shared, restarted processes can wait forever (docs/fault-tolerance.md)",
         ),
     ]
-    for ok, message in checks + model_parallel_checks(args):
+    for ok, message in checks + layout_checks(args, args.layout, cuda):
         if not ok:
             parser.error(message)
     for option in ("snapshot_path", "metrics_path"):  # found now, not at the first save after training
@@ -159,6 +235,98 @@ def parse_args(argv=None):
         if problem:
             parser.error(f"--{option} {getattr(args, option)}: {problem}")
     return parser, args
+
+
+def make_layout(args, world):
+    """The Layout of these arguments for `world` processes; ValueError (one line) when they cannot make
+    one. Degrees not given are 1; --parallel NAME puts every process along NAME's dimension."""
+    given = {name: getattr(args, name) for name in Layout.NAMES if getattr(args, name) is not None}
+    if args.parallel is None and not given:
+        args.parallel = "ddp"
+    zero = args.parallel == "zero"
+    if zero and any(given.get(name, 1) != 1 for name in ("dp_shard", "tp", "pp")):
+        raise ValueError(
+            "--parallel zero splits AdamW's state over plain replicas (--dp_replicate); with --dp_shard, "
+            "--tp or --pp the state is already split, or belongs to one stage: leave zero out"
+        )
+    if args.parallel is not None:
+        dim = SHORTHAND[args.parallel]
+        if given and not zero:
+            raise ValueError(
+                f"--parallel {args.parallel} is shorthand for --{dim} {world} (WORLD_SIZE): give either it "
+                f"or the degrees ({', '.join(f'--{name}' for name in given)})"
+            )
+        given = {dim: given.get(dim, world)}
+    if any(size <= 0 for size in given.values()):
+        bad = next(name for name, size in given.items() if size <= 0)
+        raise ValueError(f"--{bad} must be positive, got {given[bad]}")
+    layout = Layout(**given, zero=zero)
+    if layout.world != world:
+        product = " x ".join(f"--{name} {getattr(layout, name)}" for name in Layout.NAMES)
+        raise ValueError(
+            f"{product} = {layout.world} processes, but WORLD_SIZE is {world}: the product of the degrees "
+            "must be the number of processes"
+        )
+    return layout
+
+
+def layout_checks(args, layout, cuda):
+    """Sizes that do not split over the layout, found here, before any process group forms."""
+    checks = [
+        (
+            args.n_head % layout.tp == 0,
+            f"--tp {layout.tp}: --n_head {args.n_head} does not divide into {layout.tp} parts",
+        ),
+        (
+            not args.comm_hook
+            or (
+                args.parallel in (None, "ddp", "zero")
+                and (layout.pp, layout.dp_shard, layout.tp) == (1, 1, 1)
+            ),
+            f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which --parallel "
+            f"{args.parallel or layout.describe()} does not run",
+        ),
+        (
+            not args.compile or (layout.pp, layout.tp) == (1, 1),
+            f"--compile is for data-parallel layouts; {layout.describe()} runs the model uncompiled",
+        ),
+    ]
+    if args.parallel == "pp" and layout.pp == 1:
+        checks.append(
+            (
+                False,
+                "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
+                "start it with torchrun --nproc-per-node 2 or more",
+            )
+        )
+    if layout.pp > 1:
+        checks += [
+            (
+                layout.pp <= args.n_layer,
+                f"--pp {layout.pp} pipeline stages but only {args.n_layer} layers (--n_layer): at least "
+                "one block per stage",
+            ),
+            (
+                args.batch_size % args.pp_microbatches == 0,
+                f"--pp {layout.pp}: --pp_microbatches {args.pp_microbatches} does not divide --batch_size "
+                f"{args.batch_size}",
+            ),
+            (
+                args.pp_schedule != "1f1b" or args.pp_microbatches >= layout.pp,
+                f"--pp {layout.pp}: --pp_schedule 1f1b needs at least one micro-batch per stage: "
+                f"--pp_microbatches {args.pp_microbatches} for {layout.pp} stages",
+            ),
+            (
+                args.grad_accum == 1,
+                f"--pp {layout.pp}: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches",
+            ),
+            (
+                resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu")) != torch.float16,
+                f"--pp {layout.pp}: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient "
+                "scaler, which the pipeline lacks here: pass --dtype fp32 or bf16",
+            ),
+        ]
+    return checks
 
 
 def unwritable(path):
@@ -174,58 +342,6 @@ def unwritable(path):
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{folder} is not writable"
     return None
-
-
-def model_parallel_checks(args):
-    """tp and pp split the model over the WORLD_SIZE processes that torchrun starts: sizes that do not
-    divide are found here, before any process group forms."""
-    world, how, cuda = int(os.environ.get("WORLD_SIZE", 1)), args.parallel, torch.cuda.is_available()
-    if how not in SPLIT_MODEL:
-        return []
-    checks = [
-        (not args.comm_hook, f"--comm_hook compresses DDP's gradient all-reduce; --parallel {how} has none"),
-        (not args.compile, f"--compile is for --parallel ddp; --parallel {how} runs the model uncompiled"),
-    ]
-    if how == "tp":  # the MLP width, 4 * n_embd = 4 * n_head * head width, then divides too
-        checks.append(
-            (
-                args.n_head % world == 0,
-                f"--parallel tp: --n_head {args.n_head} does not divide into {world} processes (WORLD_SIZE)",
-            )
-        )
-    if how == "pp":
-        checks += [
-            (
-                world >= 2,
-                "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
-                "start it with torchrun --nproc-per-node 2 or more",
-            ),
-            (
-                world <= args.n_layer,
-                f"--parallel pp: {world} pipeline stages (WORLD_SIZE) but only {args.n_layer} layers "
-                "(--n_layer): at least one block per stage",
-            ),
-            (
-                args.batch_size % args.pp_microbatches == 0,
-                f"--parallel pp: --pp_microbatches {args.pp_microbatches} does not divide --batch_size "
-                f"{args.batch_size}",
-            ),
-            (
-                args.pp_schedule != "1f1b" or args.pp_microbatches >= world,
-                f"--parallel pp: --pp_schedule 1f1b needs at least one micro-batch per stage: "
-                f"--pp_microbatches {args.pp_microbatches} for {world} stages (WORLD_SIZE)",
-            ),
-            (
-                args.grad_accum == 1,
-                f"--parallel pp: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches instead",
-            ),
-            (
-                args.dtype != "fp16" and (args.dtype != "auto" or not cuda or native_bf16()),
-                "--parallel pp: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient scaler, "
-                "which pp lacks here: pass --dtype fp32 or bf16",
-            ),
-        ]
-    return checks
 
 
 def native_bf16():

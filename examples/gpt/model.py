@@ -1,6 +1,7 @@
 """A decoder-only GPT: token and position embeddings, then pre-norm blocks of causal self-attention and an
 MLP, then a final norm and an output layer that shares its weight with the token embedding."""
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
+        # tensor parallel: which share of the heads this process computes (parallel.apply_tp sets it)
+        self.head_share = None
 
     def forward(self, x):
         batch, length, _ = x.shape
@@ -36,11 +39,21 @@ class CausalSelfAttention(nn.Module):
         # head count comes from the tensor: a tensor-parallel process computes only its share of the heads
         q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
         # is_causal: position t attends to positions <= t only, so later tokens never change earlier outputs
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, length, -1)
         return self.proj_dropout(self.proj(y))
+
+    def attend(self, q, k, v, dropout):
+        """Causal attention. Under tensor parallelism the processes of one batch share one random stream
+        (the dropout after each block must agree), so without care each share of the heads would draw the
+        same attention masks: heads j and j + heads/N alike. Here every share draws from its own stream,
+        seeded from the shared one (which so moves alike everywhere), as distinct heads do in one process."""
+        if not dropout or self.head_share is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        seed = int(torch.randint(2**62, ()))
+        with torch.random.fork_rng(devices=[q.device] if q.is_cuda else []):
+            torch.manual_seed(seed + self.head_share)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -79,29 +92,26 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
-        self.apply(self._init_weights)
-        # the projections that add into the residual stream start smaller, by depth (as in GPT-2)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # no initialisation here: the model is usually built on the meta device, and each process then
+        # fills in its own part of every parameter (parallel.materialise, with initial_value below)
 
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_weights(self, seed):
+        """Every parameter as initial_value makes it: what a process holding the whole model does."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(initial_value(name, param.shape, self.cfg, seed))
 
     def forward(self, idx, targets=None):
-        """Logits (batch, length, vocab) and, with targets, the mean cross-entropy over all positions."""
+        """Logits (batch, length, vocab); with targets, (logits, the mean cross-entropy over all positions).
+        A pipeline stage's module maps what it receives to what it sends on (layers)."""
         logits = self.layers(idx)
-        return logits, None if targets is None else cross_entropy(logits, targets)
+        return logits if targets is None else (logits, cross_entropy(logits, targets))
 
     def layers(self, x):
         """Token ids through every part this module holds, in order: the whole model maps them to logits. A
-        pipeline stage (parallel.pp) holds some blocks and sets the parts it lacks to None: it maps what the
-        stage before it sends to what the next one receives."""
-        if self.tok_emb is not None:
+        pipeline stage (parallel.split_stage) holds some blocks and sets the parts it lacks to None: it maps
+        what the stage before it sends to what the next one receives."""
+        if self.pos_emb is not None:  # the first stage (the last one keeps tok_emb only as the head)
             length = x.shape[1]
             if length > self.cfg.block_size:
                 raise ValueError(f"sequence of {length} tokens, longer than block_size {self.cfg.block_size}")
@@ -111,19 +121,39 @@ class GPT(nn.Module):
         return x if self.head is None else self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx, new_tokens, *, temperature=0.8, top_k=None, generator=None):
-        """Append new_tokens sampled one at a time; the context is cut to the last block_size tokens."""
-        for _ in range(new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size :])
-            logits = logits[:, -1, :].float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            # sampled on the CPU with a seeded generator, so the text is the same on every device
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+    def generate(self, idx, new_tokens, **kwargs):
+        return generate(self, idx, new_tokens, self.cfg.block_size, **kwargs)
+
+
+@torch.no_grad()
+def generate(logits_of, idx, new_tokens, block_size, *, temperature=0.8, top_k=None, generator=None):
+    """Append new_tokens sampled one at a time from logits_of(context) (batch, length, vocab); the context
+    is cut to the last block_size tokens."""
+    for _ in range(new_tokens):
+        logits = logits_of(idx[:, -block_size:])
+        logits = logits[:, -1, :].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
+        probs = F.softmax(logits, dim=-1)
+        # sampled on the CPU with a seeded generator, so the text is the same on every device
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def initial_value(name, shape, cfg, seed):
+    """Parameter `name`'s initial value, whole, on the CPU, from a generator seeded by (seed, name) alone:
+    a process that holds a part of it takes that part, so every layout starts from the same weights as one
+    process, and none builds more than one whole parameter at a time. As GPT-2: normal(0, 0.02) matrices
+    and embeddings, the projections into the residual stream smaller by depth, zero biases, unit norms."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if ".ln" in name or name.startswith("ln_"):
+        return torch.ones(shape)
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(key))
 
 
 def cross_entropy(logits, targets):

@@ -1,175 +1,226 @@
-"""How the processes share the work, chosen by --parallel: one small function per strategy.
+"""How the processes share the work: one device mesh (config.Layout) and a small function per parallelism.
 
-Each function takes the plain model and returns what the trainer runs forward and backward on. Read them
-side by side: the delta from DDP is the lesson. Below them, what the trainer needs where a strategy splits
-one model between processes: its share of each batch, the gradient norm, whole snapshots.
+    build_mesh      the named mesh pp x dp_replicate x dp_shard x tp
+    split_stage     pp: this process keeps its stage's consecutive blocks
+    apply_tp        tp: every block's four matrices split over mesh["tp"]
+    apply_fsdp      dp_shard (and HSDP's replicas): parameters, gradients, AdamW state sharded (FSDP2)
+    apply_ddp       dp_replicate alone: a replica per process, gradients all-reduced (DDP)
+    make_optimizer  AdamW, or under zero the ZeroRedundancyOptimizer over the replicas
+
+parallelize() applies the ones the layout asks for, in that order, to a model built on the meta device,
+then gives each process's part its initial values (materialise). Each function is short: read them side by
+side with docs/parallelism.md. Below them, what the trainer needs wherever a model is split: the step and
+the loss of a pipeline, the gradient norm, and the end-of-run comparison of replicas.
 """
 
+import hashlib
+import itertools
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from model import GPT, cross_entropy, optimizer_groups
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from model import cross_entropy, generate, initial_value
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
-def ddp(model, args, device):
-    """A full replica in every process; backward() averages the gradients over all of them."""
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.comm_hook:  # each gradient bucket travels in 16 bits and is cast back to float32
-        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
-    return model
+DATA_DIMS = ("dp_replicate", "dp_shard", "tp")  # the dimensions inside one pipeline stage
 
 
-def zero(model, args, device):
-    """DDP as it is; the difference is the optimizer (make_optimizer): each process keeps the AdamW state
-    of its share of the parameters only, updates that share, and broadcasts it to the others."""
-    return ddp(model, args, device)
+def build_mesh(layout, device):
+    """The named device mesh, outermost dimension first; dimensions of size 1 are kept, so every name
+    exists in every layout."""
+    return init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.NAMES)
 
 
-def fsdp(model, args, device):
-    """Every parameter split in equal parts over the processes (FSDP2). Each block gathers its weights
-    just before its forward and backward and drops them after; gradients are reduce-scattered, so each
-    process keeps the gradient and AdamW state of its part alone. The tied embedding/output matrix
-    belongs to no block: the root call shards it, once."""
-    from config import resolve_dtype  # here: config reads this module's names when it is imported
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # a second or two to import
-
-    # bf16: weights gathered and computed in bfloat16, gradients reduced in float32 into float32 shards,
-    # which AdamW updates (the master weights); otherwise everything travels in float32
-    policy = MixedPrecisionPolicy()
-    if resolve_dtype(args.dtype, device) == torch.bfloat16:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    raw = getattr(model, "_orig_mod", model)  # under torch.compile, shard the module it wraps
-    for block in raw.blocks.values():
-        fully_shard(block, mp_policy=policy)
-    fully_shard(raw, mp_policy=policy)
-    return model
-
-
-def tp(model, args, device):
-    """Every block's four matrices split over all processes, which read the same batch. Column-split
-    (qkv, fc): each process computes its share of the outputs (whole heads, since model.py lays qkv out head
-    by head); row-split (proj): each multiplies its share of the inputs and one all-reduce adds the parts.
-    Two all-reduces per block forward, two backward; embeddings, norms and the head stay whole everywhere."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
-    plan |= {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
-    for block in model.blocks.values():
-        parallelize_module(block, mesh, plan)
-    return model
-
-
-def pp(model, args, device):
-    """Consecutive blocks per process, a pipeline stage each: the first also embeds, the last also holds
-    the final norm and the head. Each process drops the rest of the model; --pp_microbatches micro-batches
-    flow through the stages, scheduled by --pp_schedule."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def split_stage(model, mesh):
+    """pp: keep this stage's share of consecutive blocks. The first stage also embeds, the last also holds
+    the final norm and the head, whose weight is the token embedding's: the last stage keeps its copy of
+    that matrix under the same name (tok_emb), so snapshots and the optimizer name it as one process does."""
+    stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
     layers = list(model.blocks)
-    mine = layers[rank * len(layers) // world : (rank + 1) * len(layers) // world]
+    mine = layers[stage * len(layers) // stages : (stage + 1) * len(layers) // stages]
     for name in layers:
         if name not in mine:
             del model.blocks[name]
-    if rank > 0:
-        model.tok_emb = model.pos_emb = None
-    if rank < world - 1:
+    if stage > 0:
+        model.pos_emb = model.dropout = None
+        if stage < stages - 1:
+            model.tok_emb = None
+    if stage < stages - 1:
         model.ln_f = model.head = None
-    stage = PipelineStage(Layers(model), rank, world, device)
-    schedule = SCHEDULES[args.pp_schedule](stage, args.pp_microbatches, loss_fn=cross_entropy)
-    return Pipeline(model, schedule)
 
 
-STRATEGIES = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "tp": tp, "pp": pp}
-SHARDED_SNAPSHOTS = {"fsdp"}  # their snapshots are directories of shards (checkpoint.save_sharded)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # --pp_schedule
-SPLIT_MODEL = ("tp", "pp")  # the strategies whose processes hold parts of one model and read one batch
+def apply_tp(model, mesh):
+    """tp: column-split qkv and fc (each process computes its share of the outputs: whole heads, since
+    model.py lays qkv out head by head), row-split both proj (each multiplies its share of the inputs, one
+    all-reduce adds the parts). Embeddings, norms and the head stay whole. Each process's share of the
+    heads draws its own attention dropout (model.CausalSelfAttention.attend)."""
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
+    plan |= {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    for block in model.blocks.values():
+        parallelize_module(block, mesh["tp"], plan)
+        block.attn.head_share = mesh["tp"].get_local_rank()
 
 
-def parallelize(model, args, device):
-    """The model wrapped by the strategy of --parallel; unchanged in a single process. tp and pp change the
-    model in place: build the optimizer after this."""
-    if not dist.is_initialized():
-        return model
-    return STRATEGIES[args.parallel](model, args, device)
+def apply_fsdp(model, mesh, param_dtype=None):
+    """FSDP2 over (dp_replicate, dp_shard): each block's parameters split over dp_shard, gathered just
+    before its forward and backward, gradients reduce-scattered; with dp_replicate > 1, HSDP: the shards
+    are replicated and their gradients all-reduced across replicas. Under bf16, parameters travel (and
+    compute) in bf16, gradients are reduced in float32 and the sharded float32 weights are the master copy.
+    The tied embedding/head matrix belongs to no block: the root call shards it, once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # costs a second or two to import
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    for block in model.blocks.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
-def split_model(args):
-    return args.parallel in SPLIT_MODEL and dist.is_initialized()
+def apply_ddp(module, mesh, device, comm_hook=None):
+    """DDP over dp_replicate: a whole replica (or pipeline stage) per process; backward() averages the
+    gradients over the replicas, optionally in 16 bits on the wire."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    group = mesh["dp_replicate"].get_group()
+    module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=group)
+    if comm_hook:  # each gradient bucket travels in 16 bits and is cast back to float32
+        module.register_comm_hook(group, getattr(default_hooks, f"{comm_hook}_compress_hook"))
+    return module
 
 
-def data_parallel_layout(args, rank, world):
-    """(this process's share, number of shares) of each global batch: every process has its own share
-    under data parallelism; processes that split one model between them share one."""
-    return (0, 1) if args.parallel in SPLIT_MODEL else (rank, world)
-
-
-def make_optimizer(groups, args, device):
-    """AdamW over the parameter groups; under --parallel zero, split over the processes by whole tensors.
-    Built after parallelize(): FSDP replaces the parameters by their shards."""
-    options = dict(lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    if args.parallel == "zero" and dist.is_initialized():
+def make_optimizer(groups, layout, mesh, device):
+    """AdamW over the parameter groups, built after the model is split (FSDP and tp replace parameters);
+    under zero, each replica keeps and updates the AdamW state of its share of the tensors only, then
+    broadcasts the updated share."""
+    options = dict(lr=1.0, betas=(0.9, 0.95), fused=device.type == "cuda")  # lr: set before every step
+    if layout.zero and layout.dp_replicate > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **options)
+        group = mesh["dp_replicate"].get_group()
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=group, **options)
     return torch.optim.AdamW(groups, **options)
 
 
-def full_optimizer_state(optimizer):
-    """The whole optimizer state_dict in process 0 (None in the others under --parallel zero, whose
-    shares are first gathered there); a collective under zero."""
-    if hasattr(optimizer, "consolidate_state_dict"):  # a ZeroRedundancyOptimizer
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if dist.get_rank() == 0 else None
-    return optimizer.state_dict()
+def local_optimizer(optimizer):
+    """The optimizer that holds this process's state: ZeroRedundancyOptimizer keeps its share in .optim."""
+    return getattr(optimizer, "optim", optimizer)
 
 
-def gradient_sync(model, enabled):
-    """A context for backward(): with enabled=False, gradients add up locally without communication
-    (DDP's no_sync, FSDP's set_requires_gradient_sync); the last micro-batch's backward reduces them."""
-    inner = getattr(model, "_orig_mod", model)
-    if hasattr(inner, "set_requires_gradient_sync"):  # an FSDP module
-        inner.set_requires_gradient_sync(enabled)
-    elif isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return nullcontext()
+def materialise(model, device, seed):
+    """Storage for this process's parts (the model was built on the meta device), filled with their
+    initial values: each parameter is made whole on the CPU, one at a time, and this process keeps its
+    part (distribute_tensor with src_data_rank=None cuts locally, no communication)."""
+    model.to_empty(device=device)
+    if model.head is not None and model.tok_emb is not None:
+        model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = initial_value(name, param.shape, model.cfg, seed)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+            local(param).copy_(local(value))
 
 
-# ---- pp: the train step and the validation loss ---------------------------------------------------------
-class Layers(nn.Module):
-    """A pipeline stage's module: what it receives in, what it sends on (GPT.layers)."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, x):
-        return self.gpt.layers(x)
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class Pipeline:
-    """What the trainer runs under pp in place of model(x, y) and backward()."""
+class Parallel:
+    """What the trainer runs: the model split as the layout says, behind one interface for every layout.
+    module: this process's part of the GPT (its state dict is the snapshot's); step(): forward and backward
+    of one micro-batch; loss() and logits(): forward only, for evaluation and the sample at the end."""
 
-    def __init__(self, stage_model, schedule):
-        self.model, self.schedule = stage_model, schedule
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        # the first and the last stage each hold a copy of the token embedding, which is also the head
-        self.tied = dist.new_group([0, self.world - 1])
+    def __init__(self, module, runner, layout, mesh):
+        self.module, self.runner, self.layout, self.mesh = module, runner, layout, mesh
 
     def train(self, mode=True):
-        self.model.train(mode)
+        self.module.train(mode)
 
-    def eval(self):
-        self.model.train(False)
+    def sync(self, enabled):
+        """A context for backward(): with enabled=False, gradients add up locally without communication
+        (DDP's no_sync, FSDP's set_requires_gradient_sync); the last micro-batch's backward reduces them."""
+        if hasattr(self.module, "set_requires_gradient_sync"):  # an FSDP module
+            self.module.set_requires_gradient_sync(enabled)
+        elif isinstance(self.runner, DDP) and not enabled:
+            return self.runner.no_sync()
+        return nullcontext()
 
-    def step(self, x, y):
-        """Forward and backward over the micro-batches; returns the batch's mean loss in every process."""
+    def step(self, x, y, backward):
+        _, loss = self.runner(x, y)
+        backward(loss)
+        return loss.detach()
+
+    def loss(self, x, y):
+        return self.module(x, y)[1]
+
+    def logits(self, idx):
+        return self.module(idx)
+
+    def generate(self, idx, count, **kwargs):
+        return generate(self.logits, idx, count, self.module.cfg.block_size, **kwargs)
+
+
+def parallelize(model, layout, args, device, param_dtype=None):
+    """The meta-device model split over the layout, materialised: a Parallel (or Pipeline), or in a single
+    process the plain model behind the same interface."""
+    if layout.world == 1:
+        materialise(model, device, args.seed)
+        runner = torch.compile(model) if args.compile else model
+        return Parallel(model, runner, layout, None)
+    mesh = build_mesh(layout, device)
+    if layout.pp > 1:
+        split_stage(model, mesh)
+    if layout.tp > 1:
+        apply_tp(model, mesh)
+    # replicas beside tp or pp are HSDP's (FSDP2 with dp_shard 1): DDP takes no DTensors, nor a pipeline
+    # schedule's micro-batches
+    sharded = layout.dp_shard > 1 or (layout.dp_replicate > 1 and (layout.tp > 1 or layout.pp > 1))
+    if sharded:
+        apply_fsdp(model, mesh, param_dtype)
+    materialise(model, device, args.seed)
+    if layout.pp > 1:
+        return Pipeline(model, layout, mesh, args, device)
+    runner = torch.compile(model) if args.compile else model
+    if layout.dp_replicate > 1 and not sharded:
+        runner = apply_ddp(runner, mesh, device, args.comm_hook)
+    return Parallel(model, runner, layout, mesh)
+
+
+# ---- pp: the train step, the loss and the logits ----------------------------------------------------------
+class Pipeline(Parallel):
+    """The pipeline's Parallel: a torch.distributed.pipelining schedule runs forward and backward over
+    --pp_microbatches micro-batches; activations go between neighbouring stages of mesh["pp"]."""
+
+    def __init__(self, module, layout, mesh, args, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        super().__init__(module, module, layout, mesh)
+        self.group = mesh["pp"].get_group()
+        self.stage, self.stages = mesh["pp"].get_local_rank(), layout.pp
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.ranks = [dist.get_global_rank(self.group, i) for i in range(self.stages)]
+        stage = PipelineStage(module, self.stage, self.stages, device, group=self.group)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
+        self.schedule = schedule(stage, args.pp_microbatches, loss_fn=cross_entropy)
+        # the first and the last stage each hold a copy of the token embedding, which is also the head: one
+        # group per such pair (every process creates every group, in the same order)
+        self.tied = None
+        others = itertools.product(*(range(getattr(layout, d)) for d in DATA_DIMS))
+        for coords in others:
+            at = dict(zip(DATA_DIMS, coords, strict=True))
+            pair = [layout.rank(pp=0, **at), layout.rank(pp=self.stages - 1, **at)]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                self.tied = group
+
+    def sync(self, enabled):
+        return nullcontext()  # the schedule's micro-batches are the accumulation
+
+    def step(self, x, y, backward):
+        """Forward and backward over the micro-batches; returns the batch's mean loss in every stage."""
         losses = []
         if self.first:
             self.schedule.step(x)
@@ -182,140 +233,123 @@ class Pipeline:
         # copies' gradients gives both the sum one process has, so both take the same optimizer step and
         # stay equal.
         if self.first or self.last:
-            weight = self.model.tok_emb.weight if self.first else self.model.head.weight
-            dist.all_reduce(weight.grad, group=self.tied)
+            dist.all_reduce(local(self.module.tok_emb.weight.grad), group=self.tied)
         return self._from_last(torch.stack(losses).mean() if self.last else None, y.device)
 
     @torch.no_grad()
-    def loss(self, x, y):
-        """The mean loss of one batch without a backward pass: the activations go from stage to stage
-        whole; every process gets the loss."""
+    def _forward(self, x, shape):
+        """Token ids (first stage) through every stage; the last stage's output, elsewhere None."""
         if not self.first:
-            x = torch.empty(*y.shape, self.model.cfg.n_embd, device=y.device)
-            dist.recv(x, self.rank - 1)
-        out = self.model.layers(x)
+            x = torch.empty(*shape, self.module.cfg.n_embd, device=x.device)
+            dist.recv(x, self.ranks[self.stage - 1], group=self.group)
+        out = self.module(x)
         if not self.last:
-            dist.send(out.float().contiguous(), self.rank + 1)
-        return self._from_last(cross_entropy(out, y) if self.last else None, y.device)
+            dist.send(out.float().contiguous(), self.ranks[self.stage + 1], group=self.group)
+            return None
+        return out
+
+    def loss(self, x, y):
+        """The mean loss of one batch without a backward pass; every stage gets it."""
+        out = self._forward(x, y.shape)
+        return self._from_last(None if out is None else cross_entropy(out, y), y.device)
+
+    def logits(self, idx):
+        """The last position's logits (batch, 1, vocab), sent from the last stage to every stage."""
+        out = self._forward(idx, idx.shape)
+        last = torch.empty(idx.shape[0], 1, self.module.cfg.vocab_size, device=idx.device)
+        if out is not None:
+            last.copy_(out[:, -1:].float())
+        dist.broadcast(last, self.ranks[-1], group=self.group)
+        return last
 
     def _from_last(self, loss, device):
         loss = torch.zeros((), device=device) if loss is None else loss.detach().float()
-        dist.broadcast(loss, self.world - 1)
+        dist.broadcast(loss, self.ranks[-1], group=self.group)
         return loss
 
 
-# ---- the gradient norm and whole snapshots where processes hold parts of one model ----------------------
-def _local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+# ---- the gradient norm and the replicas, wherever the parts live -----------------------------------------
+def sharded_dims(tensor):
+    """The mesh dimensions a DTensor is split along (FSDP's dp_shard, tp's), by name."""
+    if not isinstance(tensor, DTensor):
+        return ()
+    names = tensor.device_mesh.mesh_dim_names
+    return tuple(n for n, p in zip(names, tensor.placements, strict=True) if not isinstance(p, Replicate))
 
 
-def _split(param):
-    """True for a tensor-parallel matrix or bias cut into parts, one per process."""
-    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+def counted_once(parallel):
+    """The parameters whose squares enter the gradient norm here: all, but the last stage's copy of the
+    tied embedding (the first stage counts it)."""
+    params = [p for p in parallel.module.parameters() if p.grad is not None]
+    if isinstance(parallel, Pipeline) and parallel.last and not parallel.first:
+        return params, [p for p in params if p is not parallel.module.tok_emb.weight]
+    return params, params
 
 
-def clip_grad_norm_(model, max_norm, args):
-    """torch.nn.utils.clip_grad_norm_ over the whole model, wherever its parts live. Under tp and pp the
-    squares of what each process alone holds are summed over the processes; a copy that several hold (tp:
-    embeddings, norms, row-split biases; pp: the last stage's copy of the token embedding) counts once."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not split_model(args):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if args.parallel == "tp":
-        own, copies = [p for p in params if _split(p)], [p for p in params if not _split(p)]
-    else:  # pp: the last stage's copy of the token embedding is the first stage's to count
-        tie = model.head.weight if model.head is not None and model.tok_emb is None else None
-        own, copies = [p for p in params if p is not tie], []
-    squares = [_local(p.grad).float().pow(2).sum() for p in own]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=params[0].device)
-    dist.all_reduce(total)
-    for p in copies:
-        total += _local(p.grad).float().pow(2).sum()
+def clip_grad_norm_(parallel, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the whole model, wherever its parts live: the squares of each
+    gradient's local part, summed along the mesh dimensions it is split over, then over the pipeline's
+    stages. Every process runs the same collectives, in the same order, whatever it holds."""
+    params, counted = counted_once(parallel)
+    if parallel.mesh is None or (parallel.layout.pp, parallel.layout.tp) == (1, 1):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # one mesh (or none): torch's own
+    subsets = [s for n in range(len(DATA_DIMS) + 1) for s in itertools.combinations(DATA_DIMS, n)]
+    device = params[0].device if params else torch.device("cpu")
+    squares = torch.zeros(len(subsets), device=device, dtype=torch.float32)
+    for p in counted:
+        squares[subsets.index(sharded_dims(p.grad))] += local(p.grad).float().pow(2).sum()
+    for dim in DATA_DIMS:  # a sum over several dimensions is a sum over each in turn
+        if parallel.layout.shape[parallel.layout.NAMES.index(dim)] == 1:
+            continue
+        mask = torch.tensor([dim in s for s in subsets], device=device)
+        part = squares * mask
+        dist.all_reduce(part, group=parallel.mesh[dim].get_group())
+        squares = torch.where(mask, part, squares)
+    total = squares.sum()
+    dist.all_reduce(total, group=parallel.mesh["pp"].get_group())
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's, so one process gets the same numbers
     for p in params:
-        _local(p.grad).mul_(scale)
+        local(p.grad).mul_(scale)
     return norm
 
 
-def replicas(model, args):
-    """(what, tensors): the parameters every process that holds them must end with bit for bit; none
-    under fsdp, where no two processes hold the same part (gathering them would prove nothing)."""
-    if args.parallel == "fsdp" and dist.is_initialized():
-        return "fsdp shards every parameter: no replicas to compare", []
-    if not split_model(args):
-        return "final weights", list(model.parameters())
-    if args.parallel == "tp":
-        return "final unsplit weights", [_local(p) for p in model.parameters() if not _split(p)]
-    ends = [
-        m.weight for m in (model.tok_emb, model.head) if m is not None
-    ]  # pp: the first and the last stage
-    return "final token embedding (also the head)", ends
+def replica_digests(parallel):
+    """{kind: SHA-256 of this process's parts}, one kind per set of mesh dimensions the parameters are split
+    along; "tied": the embedding copy of a pipeline's first and last stage. Processes that differ only along
+    the other dimensions (those that replicate) must end with the same digest."""
+    groups = {}
+    for p in parallel.module.parameters():
+        groups.setdefault(",".join(sharded_dims(p)), []).append(local(p))
+    if isinstance(parallel, Pipeline) and (parallel.first or parallel.last):
+        groups["tied"] = [local(parallel.module.tok_emb.weight)]
+    out = {}
+    for kind, tensors in groups.items():
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        out[kind] = h.hexdigest()[:16]
+    return out
 
 
-def _whole_order(cfg):
-    """Parameter names in the order a single process's optimizer numbers them (no memory: meta tensors)."""
-    with torch.device("meta"):
-        whole = GPT(cfg)
-    names = {id(p): name for name, p in whole.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer_groups(whole, 0.0)]
-
-
-def _whole_name(name):
-    return "tok_emb.weight" if name == "head.weight" else name  # pp's last stage holds the tie as head
-
-
-def whole_state(model, optimizer):
-    """Collective. On rank 0, the model's and the optimizer's state dicts exactly as one process training
-    the whole model would have them (so every strategy resumes from them); None elsewhere."""
-
-    def full(t):
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-
-    model_state = {name: full(t) for name, t in model.state_dict().items()}
-    groups = _whole_order(model.cfg)
-    index = {name: i for i, name in enumerate(n for group in groups for n in group)}
-    names = {id(p): name for name, p in model.named_parameters()}
-    opt_state = {
-        index[_whole_name(names[id(p)])]: {key: full(value) for key, value in optimizer.state[p].items()}
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p in optimizer.state
-    }
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((model_state, opt_state), parts)
-    if parts is None:
-        return None
-    model_state, opt_state = {}, {}
-    for m, o in parts:
-        model_state |= m
-        opt_state |= o
-    param_groups = optimizer.state_dict()["param_groups"]
-    start = 0
-    for group, names_in_group in zip(param_groups, groups, strict=True):
-        group["params"] = list(range(start, start + len(names_in_group)))
-        start += len(names_in_group)
-    return model_state, {"state": opt_state, "param_groups": param_groups}
-
-
-def load_whole_state(model, optimizer, model_state, opt_state):
-    """whole_state's inverse: every process takes its parts of a whole model's state dicts."""
-
-    def part(full, like):
-        if not isinstance(like, DTensor):
-            return full
-        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
-
-    model.load_state_dict({name: part(model_state[name], t) for name, t in model.state_dict().items()})
-    groups = _whole_order(model.cfg)
-    index = {name: i for i, name in enumerate(n for group in groups for n in group)}
-    names = {id(p): name for name, p in model.named_parameters()}
-    mine = optimizer.state_dict()
-    mine["state"] = {}
-    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        saved = opt_state["state"].get(index[_whole_name(names[id(p)])])
-        if saved is not None:
-            mine["state"][i] = {key: part(value, p) if value.dim() else value for key, value in saved.items()}
-    for group, saved in zip(mine["param_groups"], opt_state["param_groups"], strict=True):
-        group |= {key: value for key, value in saved.items() if key != "params"}
-    optimizer.load_state_dict(mine)
+def replica_mismatches(layout, digests):
+    """(compared, mismatches) from every rank's replica_digests, in rank order: for each kind, the ranks
+    that share every coordinate but those of the dimensions replicating it are compared; mismatches names
+    each set of ranks that disagree. Only digests travel: no process gathers another's weights."""
+    classes = {}
+    for rank, kinds in enumerate(digests):
+        coords = layout.coords(rank)
+        for kind, digest in kinds.items():
+            if kind == "tied":  # across the pipeline's ends, every other coordinate the same
+                key = tuple(coords[d] for d in DATA_DIMS)
+            else:  # along the dimensions it is not split over, within one stage
+                split = kind.split(",") if kind else []
+                key = (coords["pp"], *(coords[d] for d in split))
+            classes.setdefault((kind, key), []).append((rank, digest))
+    compared = [members for members in classes.values() if len(members) > 1]
+    mismatches = [
+        f"{kind or 'whole'} weights of ranks {[r for r, _ in members]}: {[d for _, d in members]}"
+        for (kind, _), members in classes.items()
+        if len({d for _, d in members}) > 1
+    ]
+    return sum(len(m) for m in compared), mismatches

@@ -1,11 +1,13 @@
-"""Train a character-level GPT with DDP: one process, or one per GPU (or 2 on CPU) under torchrun.
+"""Train a character-level GPT: one process, or one per GPU (or 2 on CPU) under torchrun, DDP by default or
+any layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel processes on one mesh.
 
     python examples/gpt/train.py                                  # one process, the default corpus
     torchrun --standalone --nproc-per-node=2 examples/gpt/train.py --max_steps 500
+    torchrun --standalone --nproc-per-node=8 examples/gpt/train.py --pp 2 --dp_shard 2 --tp 2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
         examples/gpt/train.py                                     # restarted processes resume
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        examples/gpt/train.py --model gpt2 --snapshot_path /shared/gpt.pt
+        examples/gpt/train.py --model gpt2 --snapshot_path /shared/gpt
 
 The folder is self-contained: copy it, it needs torch alone. Run with --help for every option.
 """
@@ -33,19 +35,20 @@ def main():
         data.split(corpus[0], args.block_size)
     except data.DataError as exc:
         parser.error(str(exc))
-    snapshot = None
-    if os.path.exists(args.snapshot_path):
-        try:
-            snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
-        except checkpoint.SnapshotError as exc:
-            sys.exit(f"error: {exc}")
+    try:
+        snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
+        if snapshot is None and args.init_from:
+            snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus[1]))
+    except checkpoint.SnapshotError as exc:
+        sys.exit(f"error: {exc}")
     rank, world, device = setup_processes()
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
-    if len(steps) > 1:  # a node without the file would start over while the others resume
+    if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
                  "--snapshot_path on a filesystem that every node shares")  # fmt: skip
     if snapshot is not None and rank == 0:
-        print(f"resuming from {args.snapshot_path} at step {snapshot['step']}", flush=True)
+        source = args.snapshot_path if "shards" in snapshot else args.init_from
+        print(f"resuming from {source} at step {snapshot['step']}", flush=True)
     if snapshot is not None and snapshot["step"] >= args.max_steps:
         if rank == 0:
             print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
@@ -53,9 +56,10 @@ def main():
     else:
         try:
             trainer = Trainer(args, corpus, snapshot, rank, world, device)
-        except checkpoint.SnapshotError as exc:  # a sharded snapshot's data, read by every process here
+            del snapshot  # a single file's tensors (--init_from): written as the run's first snapshot
+            trainer.train()
+        except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
             sys.exit(f"error: {exc}")
-        trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()
 

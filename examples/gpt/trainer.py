@@ -1,4 +1,5 @@
-"""The training loop: processes, parallelism, precision, the step with accumulation, evaluation, snapshots."""
+"""The training loop: processes, precision, the step with accumulation, evaluation, snapshots. How the model
+is split over the processes is parallel.py's business: the trainer sees a Parallel whatever the layout."""
 
 import hashlib
 import json
@@ -55,14 +56,6 @@ def peak_flops(args, device):
     return None
 
 
-def weights_sha256(tensors):
-    """A digest of the tensors' bytes, to compare processes' copies without sending the tensors."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:12]
-
-
 def all_ranks(obj):
     """obj from every process, in rank order."""
     if not dist.is_initialized():
@@ -75,75 +68,61 @@ def all_ranks(obj):
 class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
-        self.dp_rank, self.dp_world = parallel.data_parallel_layout(args, rank, world)
+        layout = self.layout = args.layout
+        self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
         ids, self.vocab = corpus
         train, val = data.split(ids, args.block_size)
         # the whole corpus lives on the device; batches are indexed there, not gathered sample by sample
         self.train_data, self.val_data = train.to(device), val.to(device)
         self.unigram = data.unigram_entropy(train, len(self.vocab))
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
-        torch.manual_seed(args.seed)  # the same initial weights in every process
-        self.raw = GPT(model_config(args, len(self.vocab))).to(device)
-        # the whole model's size, before tp or pp leave each process a part of it
-        self.params, self.flops_per_token = parameter_count(self.raw), flops_per_token(self.raw)
-        model = torch.compile(self.raw) if args.compile else self.raw
-        # before the optimizer: tp and fsdp replace parameters of self.raw, pp drops some
-        self.model = parallel.parallelize(model, args, device)
         self.dtype = resolve_dtype(args.dtype, device)
+        with torch.device("meta"):  # no storage: each process materialises its own part below
+            model = GPT(model_config(args, len(self.vocab)))
+        self.params, self.flops_per_token = parameter_count(model), flops_per_token(model)
+        param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
+        self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
+        self.raw = self.parallel.module  # this process's part of the GPT
         groups = optimizer_groups(self.raw, args.weight_decay)
-        self.optimizer = parallel.make_optimizer(groups, args, device)
+        self.optimizer = parallel.make_optimizer(groups, layout, self.parallel.mesh, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.step = 0
-        # dropout: a different stream for every share of the batch; processes that split one model draw alike
+        # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
             self.restore(snapshot)
         self.peak = peak_flops(args, device)
 
     # ---- snapshots -----------------------------------------------------------------------------------
-    def state(self, weights=True):
-        """Everything a resumed run needs to continue exactly; the data position is the step itself.
-        weights=False: all but the model and optimizer, which a sharded snapshot holds in shards."""
+    def extra_state(self):
+        """Everything a resumed run needs besides the weights and the optimizer state (which every process
+        writes in parts): the data position is the step itself. A collective (the random states)."""
         rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
-        if not weights:
-            weights = {}
-        elif parallel.split_model(self.args):  # the parts gathered, on rank 0 (a collective)
-            model, optimizer = parallel.whole_state(self.raw, self.optimizer) or (None, None)
-            weights = {"model": model, "optimizer": optimizer}
-        else:  # a collective under zero, whose optimizer state is gathered on rank 0
-            weights = {
-                "model": self.raw.state_dict(),
-                "optimizer": parallel.full_optimizer_state(self.optimizer),
-            }
         return {
             "config": snapshot_config(self.args, self.vocab),
             "vocab": self.vocab,
-            **weights,
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "seed": self.args.seed,
             "global_batch": self.global_batch,
-            "rng": rng,  # one entry per process
-            "parallel": self.args.parallel,  # whose processes drew those streams
             "schedule": {key: getattr(self.args, key) for key in SCHEDULE_KEYS},
+            "rng": rng,  # one entry per process
+            "layout": self.layout.as_dict(),  # whose processes drew those streams
         }
 
     def _cuda_rng(self):
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
 
     def restore(self, snapshot):
-        if "shards" in snapshot:  # a sharded snapshot: each process reads its own part
-            checkpoint.load_sharded(snapshot["shards"], self.raw, self.optimizer)
-        elif parallel.split_model(self.args):  # each process takes its parts
-            parallel.load_whole_state(self.raw, self.optimizer, snapshot["model"], snapshot["optimizer"])
-        else:
-            self.raw.load_state_dict(snapshot["model"])
-            self.optimizer.load_state_dict(snapshot["optimizer"])
+        optimizer = parallel.local_optimizer(self.optimizer)
+        if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot by rank 0
+            snapshot["shards"] = checkpoint.import_file(self.args.snapshot_path, snapshot)
+        checkpoint.load_shards(snapshot["shards"], self.raw, optimizer)  # each process reads its own parts
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
         rng = snapshot["rng"]
-        # same processes and strategy: each continues its own dropout stream (tp's processes draw alike)
-        if (len(rng), snapshot.get("parallel", "ddp")) == (self.world, self.args.parallel):
+        # same processes and layout: each continues its own dropout stream
+        if (len(rng), snapshot.get("layout")) == (self.world, self.layout.as_dict()):
             torch.set_rng_state(rng[self.rank]["cpu"])
             if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
@@ -174,12 +153,9 @@ class Trainer:
             )
 
     def save(self):
-        if self.args.parallel in parallel.SHARDED_SNAPSHOTS:  # every process writes its shards
-            extra = self.state(weights=False)
-            return checkpoint.save_sharded(self.args.snapshot_path, self.raw, self.optimizer, extra)
-        state = self.state()  # a collective: every process takes part
-        if self.rank == 0:
-            checkpoint.save(self.args.snapshot_path, state)
+        """A collective: every process writes its parts, rank 0 the rest (checkpoint.save)."""
+        extra = self.extra_state()
+        checkpoint.save(self.args.snapshot_path, self.raw, parallel.local_optimizer(self.optimizer), extra)
 
     # ---- one step ------------------------------------------------------------------------------------
     def lr_at(self, step):
@@ -205,31 +181,26 @@ class Trainer:
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
-            if isinstance(self.model, parallel.Pipeline):  # the schedule runs forward and backward
-                with self.autocast():
-                    loss_sum += self.model.step(x, y)
-                continue
-            last = micro == a.grad_accum - 1
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
-            with parallel.gradient_sync(self.model, last):
-                with self.autocast():
-                    _, loss = self.model(x, y)
-                self.scaler.scale(loss / a.grad_accum).backward()
-            loss_sum += loss.detach()
+            with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
+                loss_sum += self.parallel.step(x, y, self.backward)
         if a.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
-            parallel.clip_grad_norm_(self.raw, a.grad_clip, a)
+            parallel.clip_grad_norm_(self.parallel, a.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum / a.grad_accum
 
+    def backward(self, loss):
+        self.scaler.scale(loss / self.args.grad_accum).backward()
+
     @torch.no_grad()
     def evaluate(self):
-        """Mean validation loss over a fixed set of sequences, shared out among all processes."""
+        """Mean validation loss over a fixed set of sequences, shared out among the data-parallel shares."""
         a = self.args
-        self.model.eval()
+        self.parallel.train(False)
         offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
         mine = offsets[self.dp_rank :: self.dp_world]
@@ -238,13 +209,12 @@ class Trainer:
             chunk = mine[start : start + a.batch_size]
             x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size)
             with self.autocast():
-                pipeline = isinstance(self.model, parallel.Pipeline)
-                loss = self.model.loss(x, y) if pipeline else self.raw(x, y)[1]
+                loss = self.parallel.loss(x, y)
             if len(chunk):
                 totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
-        if dist.is_initialized():
+        if dist.is_initialized():  # the processes of one share (tp, pp) add the same terms: the mean holds
             dist.all_reduce(totals)
-        self.model.train()
+        self.parallel.train(True)
         return (totals[0] / totals[1]).item()
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -270,10 +240,11 @@ class Trainer:
         self.log(
             f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
             f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
-            f"{dtype} | global batch {self.global_batch} x {a.block_size} tokens"
+            f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
+            f"{a.block_size} tokens"
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
-        meter = MemoryMeter(self.model, self.optimizer)
+        meter = MemoryMeter(self.raw, self.optimizer)
         loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < a.max_steps:
             loss_sum += self.train_step()
@@ -340,34 +311,34 @@ class Trainer:
             "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
             + f" ({memory[0]['peak_kind']})"
         )
-        # the weights processes hold alike (ddp, zero: all; tp, pp: the shared ones), compared by digest
-        what, tensors = parallel.replicas(self.raw, self.args)  # pp: only the first and last stage hold some
-        digests = [d for d in all_ranks(weights_sha256(tensors) if tensors else None) if d is not None]
-        if not digests and self.world > 1:
-            self.log(what)
-        elif len(set(digests)) != 1:
-            raise RuntimeError(f"{what} differ across processes: {digests}")
-        elif self.world > 1:
-            self.log(f"{what} identical on {len(digests)} ranks")
-        if self.args.sample_chars:
-            model = self.raw  # every process generates: a sharded (fsdp) model's forward is a collective
-            if parallel.split_model(self.args):  # rank 0 gathers the whole model and generates alone
-                whole = parallel.whole_state(self.raw, self.optimizer)
-                model = None if whole is None else GPT(self.raw.cfg).to(self.device)
-                if model is not None:
-                    model.load_state_dict(whole[0])
-            if model is not None:
-                text = self.sample(model, self.args.sample_chars)
-                self.log("sample:\n" + text)
+        self.check_replicas()
+        if self.args.sample_chars:  # every process takes part: a split model's forward is a collective
+            self.log("sample:\n" + self.sample(self.args.sample_chars))
 
-    def sample(self, model, count):
-        model.eval()
+    def check_replicas(self):
+        """Processes that hold copies of the same part (along the dimensions that replicate it) must end
+        with it bit for bit: compared by digest, nothing gathered."""
+        if self.world == 1:
+            return
+        compared, mismatches = parallel.replica_mismatches(
+            self.layout, all_ranks(parallel.replica_digests(self.parallel))
+        )
+        if mismatches:
+            raise RuntimeError("replicas differ at the end of the run: " + "; ".join(mismatches))
+        self.log(
+            f"replicas identical: {compared} copies compared across ranks"
+            if compared
+            else "no weights are replicated across processes in this layout: no replicas to compare"
+        )
+
+    def sample(self, count):
+        self.parallel.train(False)
         start = self.vocab.index("\n") if "\n" in self.vocab else 0
         idx = torch.tensor([[start]], device=self.device)
         gen = torch.Generator().manual_seed(self.args.seed)
         with self.autocast():
-            out = model.generate(idx, count, top_k=40, generator=gen)
-        model.train()
+            out = self.parallel.generate(idx, count, top_k=40, generator=gen)
+        self.parallel.train(True)
         return data.decode(out[0, 1:].tolist(), self.vocab)
 
 

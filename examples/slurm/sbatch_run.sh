@@ -14,8 +14,9 @@
 #   EXAMPLES_DIR    where SCRIPT names are looked up        (default $SLURM_SUBMIT_DIR/examples)
 #   NPROC_PER_NODE  training processes per node   (default: GPUs allocated on the node, else
 #                   --cpus-per-task, else the CPUs allocated on the node)
-#   SNAPSHOT_PATH   snapshot file on a filesystem every node sees; a restarted or requeued job resumes
-#                   from it (default $SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt)
+#   SNAPSHOT_PATH   snapshot on a filesystem every node sees (a file for the lessons, a directory for
+#                   gpt/train.py); a restarted or requeued job resumes from it
+#                   (default $SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt, or .../snapshot for gpt/)
 #   RDZV_HOST       rendezvous host              (default: first node of the allocation)
 #   RDZV_PORT       rendezvous port on RDZV_HOST (default 20000 + job id modulo 10000, so that jobs
 #                   sharing a node do not collide)
@@ -62,7 +63,11 @@ fi
 nnodes=$SLURM_JOB_NUM_NODES
 rdzv_host=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}
 rdzv_port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
-snapshot=${SNAPSHOT_PATH:-$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt}
+default_snapshot=$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID/snapshot.pt
+if [[ $script == */gpt/train.py ]]; then
+  default_snapshot=${default_snapshot%.pt} # the GPT trainer's snapshot is a directory
+fi
+snapshot=${SNAPSHOT_PATH:-$default_snapshot}
 mkdir -p "$(dirname "$snapshot")"
 launch=$SLURM_SUBMIT_DIR/tools/launch.py
 if [ -z "${TORCHRUN:-}" ] && [ -f "$launch" ]; then
