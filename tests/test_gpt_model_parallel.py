@@ -7,6 +7,7 @@ import re
 import shutil
 
 import pytest
+import test_gpt_sharding as sharding
 from conftest import TORCHRUN, run
 from test_gpt import (  # noqa: F401  (cache: a fixture)
     TRAIN,
@@ -19,6 +20,7 @@ from test_gpt import (  # noqa: F401  (cache: a fixture)
     saved,
     train,
 )
+from test_gpt_sharding import CRASH
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
 RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
@@ -104,8 +106,13 @@ def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_a_2d_snapshot_resumes_in_one_process(tmp_path, cache, one):  # noqa: F811
-    train(tmp_path, cache, *RUN, *LAYOUTS["fsdp x tp"], "--max_steps", 20, nproc=4)
+def test_a_2d_run_killed_after_its_first_snapshot_resumes_in_one_process(tmp_path, cache, one):  # noqa: F811
+    # rank 0 is killed while it saves step 40 (test_gpt_sharding.CRASH): the snapshot of step 20 remains
+    args = [*RUN, *LAYOUTS["fsdp x tp"], "--save_every", 20]
+    wrapper = sharding.script_file(tmp_path, CRASH)
+    crashed = sharding.train(tmp_path, cache, *args, nproc=4, script=wrapper, check=False)
+    assert crashed.returncode != 0, crashed.stdout[-2000:]
+    assert "saved gpt_snapshot at step 20" in crashed.stdout, crashed.stdout[-2000:]
     proc = train(tmp_path, cache, *RUN)
     assert "resuming from gpt_snapshot at step 20" in proc.stdout, proc.stdout[-2000:]
     assert_matches_one_process(tmp_path, proc.stdout, one)
