@@ -203,6 +203,34 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
     assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 15, 30)
 
 
+# Runs train.py with process 1 stalled before its first step: process 0 waits for it in a collective.
+STALL = """
+import os, runpy, sys, time
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import trainer
+train = trainer.Trainer.train
+def stalled(self):
+    if self.rank == 1:
+        time.sleep(600)
+    train(self)
+trainer.Trainer.train = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
+    (tmp_path / "stall.py").write_text(STALL)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", tmp_path / "stall.py", TRAIN]
+    cmd += ["--cache_dir", cache]
+    start = time.monotonic()
+    proc = run([*cmd, *TINY, "--max_steps", 5, "--dist_timeout", 5], timeout=300, check=False, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "error: process 0 waited more than --dist_timeout 5 s for the others" in proc.stdout, proc.stdout
+    assert seconds < 120, seconds  # torch's own default would wait 30 minutes (gloo)
+
+
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, "--cache_dir", cache]
     cmd += [*TINY, *RUN, "--batch_size", 8]

@@ -29,7 +29,7 @@ PRESETS = {
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 POSITIVE = (
     "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
-    "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "pp_microbatches",
+    "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "dist_timeout", "pp_microbatches",
 )  # fmt: skip
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
@@ -100,6 +100,10 @@ def get_parser():
         "--cache_dir", default=default_cache_dir(), help="built and downloaded corpora (%(default)s)"
     )
     p.add_argument("--timeout", type=float, default=60, help="seconds to wait for a download or a lock (60)")
+    p.add_argument(
+        "--dist_timeout", type=float, default=600,
+        help="seconds a process waits for the others, at the start or in a collective, before failing (600)",
+    )  # fmt: skip
     group = p.add_argument_group("model shape (default: the preset's)")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         group.add_argument(f"--{key}", type=int)

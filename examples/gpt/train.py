@@ -41,7 +41,7 @@ def main():
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus[1]))
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
-    rank, world, device = setup_processes()
+    rank, world, device = setup_processes(args.dist_timeout)
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
@@ -60,6 +60,12 @@ def main():
             trainer.train()
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
             sys.exit(f"error: {exc}")
+        except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
+            if "timed out" not in str(exc).lower():
+                raise
+            detail = str(exc).strip().splitlines()[0]
+            sys.exit(f"error: process {rank} waited more than --dist_timeout {args.dist_timeout:g} s for the "
+                     f"others, which stalled or died ({detail})")  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 
 import checkpoint
 import data
@@ -31,8 +32,9 @@ PEAK_FLOPS = [
 ]
 
 
-def setup_processes():
-    """(rank, world size, device). Under torchrun: join the process group (NCCL on GPUs, else gloo)."""
+def setup_processes(timeout=600):
+    """(rank, world size, device). Under torchrun: join the process group (NCCL on GPUs, else gloo); a
+    process that waits longer than `timeout` seconds for the others, then or in any collective, fails."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -43,7 +45,8 @@ def setup_processes():
     else:
         device = torch.device("cpu")
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return rank, world, device
 
 
