@@ -109,7 +109,8 @@ def single(tmp_path_factory, cache):
 def test_ddp_on_2_ranks_equals_one_process_with_the_same_global_batch(ddp2, single):
     ddp = saved(ddp2[0])["model"]
     one = saved(single[0])["model"]
-    assert max_diff(ddp, one) < 1e-4  # float summation order, amplified by Adam: about 4e-5 measured
+    print(f"DDP on 2 vs one process, 60 steps: max parameter difference {max_diff(ddp, one):.3g}")
+    assert max_diff(ddp, one) < 1e-4  # float summation order, amplified by Adam
     assert "replicas identical: 2 copies" in ddp2[1], ddp2[1][-2000:]
 
 
