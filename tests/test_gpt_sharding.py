@@ -3,6 +3,7 @@ resume on another number of processes, survive a crash mid-save, export to one f
 from a file they load. Tiny model, global batch 24 (2 x 12, 3 x 4 x 2 micro-batches, 1 x 24): about
 3 minutes on 2 cores."""
 
+import io
 import pickle
 import shutil
 
@@ -241,6 +242,22 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
         assert kind != "escaping" or "leaves the snapshot's folder" in proc.stdout, proc.stdout[-2000:]
     assert not (tmp_path / "pwned").exists()
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch", "load"),  # a callable in a module that is looked in
+        ("torch.serialization", "os"),  # a module reached through one
+        ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),  # a class there, not a data record
+        ("torch", "no_such_name"),
+        ("os", "system"),
+    ],
+)
+def test_metadata_may_name_only_data_records(module, name):
+    payload = pickle.dumps(None, protocol=2).replace(b"N", f"c{module}\n{name}\n".encode(), 1)
+    with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint's metadata"):
+        import_gpt_module("checkpoint").MetadataUnpickler(io.BytesIO(payload)).load()
 
 
 # ---- bad input ----------------------------------------------------------------------------------------

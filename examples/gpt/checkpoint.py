@@ -12,6 +12,8 @@ A single file (export.py writes one from a snapshot) holds the same, whole: torc
 reads it, and --init_from imports it into any layout (import_file).
 """
 
+import dataclasses
+import enum
 import os
 import pickle
 import re
@@ -81,35 +83,36 @@ def load_file(path, expected):
 POINTER = "latest"
 STEP_DIR = re.compile(r"^step-\d{8}-[0-9a-f]+$")
 
-# What DCP's .metadata pickle may name: its own record classes, torch.Size, dtypes, layouts and paths (the
-# names of the classes DCP pickles, some of them private to torch: data to compare, not code to call).
-METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}  # fmt: skip
+# What DCP's .metadata pickle may name, by rule rather than by name: the data records (dataclasses and enums)
+# of DCP's metadata and filesystem modules, torch.Size, dtypes, the function pickle rebuilds a torch.layout
+# with, paths and OrderedDict. Only these modules are ever looked in; anything else is refused unread.
+METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+LOOKED_IN = {*METADATA_MODULES, "torch", "torch.serialization", "pathlib", "collections"}
+
+
+def allowed_in_metadata(module, found):
+    import copyreg
+    from collections import OrderedDict
+    from pathlib import PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+
+    import torch
+
+    if module in METADATA_MODULES:
+        return isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
+    rebuild_layout = copyreg.dispatch_table[torch.layout](torch.strided)[0]
+    plain = (torch.Size, rebuild_layout, OrderedDict, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath)
+    return isinstance(found, torch.dtype) or any(found is item for item in plain)
 
 
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        import torch
-
-        if (module, name) in METADATA_CLASSES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        try:
+            found = super().find_class(module, name) if module in LOOKED_IN else None
+        except AttributeError:
+            found = None
+        if found is None or not allowed_in_metadata(module, found):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return found
 
 
 def read_metadata(step_dir):
