@@ -433,7 +433,13 @@ def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
 def test_mfu_uses_each_gpus_own_peak(monkeypatch):
     trainer = import_gpt_module("trainer")
     args = argparse.Namespace(peak_tflops=None)
-    expected = {"NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12}
+    expected = {
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H200 NVL": 835e12,
+        "NVIDIA H200": 989e12,
+    }
     for name, peak in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert trainer.peak_flops(args, torch.device("cuda")) == peak, name

@@ -271,39 +271,55 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
 
 MIXED_PRECISION_PROBE = """
 import sys
-import torch, torch.distributed as dist
+import torch, torch.distributed as dist, torch.multiprocessing as mp
 sys.path.insert(0, sys.argv[1])
 import parallel
 from model import GPT, GPTConfig
 from torch.distributed.device_mesh import init_device_mesh
 
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
-model.init_weights(seed=0)
-seen = []  # the dtype of a block's weight while the block runs, and of the gradient it reduces
-block = next(iter(model.blocks.values()))
-linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
-linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-parallel.apply_fsdp(model, mesh, torch.bfloat16 if sys.argv[3] == "bf16" else None)
-x = torch.randint(16, (2, 8))
-with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sys.argv[3] == "bf16"):
-    model(x, x)[1].backward()
-shard = next(iter(block.parameters()))
-print("RESULT", seen[0], shard.dtype, shard.grad.dtype)
-dist.destroy_process_group()
+
+def probe(rank, port, bf16):
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    model.init_weights(seed=0)
+    seen = []  # a block's weight dtype while it runs, and what the gradient reduce-scatter carries
+    block = next(iter(model.blocks.values()))
+    linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    reduce_scatter = dist.reduce_scatter_single  # looked up by FSDP at each call
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["input"].dtype)
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = recording
+    parallel.apply_fsdp(model, mesh, torch.bfloat16 if bf16 else None)
+    x = torch.randint(16, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        model(x, x)[1].backward()
+    shard = next(iter(block.parameters()))
+    if rank == 0:
+        print("RESULT", seen[0], seen[-1], shard.dtype, shard.grad.dtype, flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(probe, args=(sys.argv[2], sys.argv[3] == "bf16"), nprocs=2)
 """
 
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [
-        ("bf16", "torch.bfloat16 torch.float32 torch.float32"),
-        ("fp32", "torch.float32 torch.float32 torch.float32"),
+        ("bf16", "torch.bfloat16 torch.float32 torch.float32 torch.float32"),
+        ("fp32", "torch.float32 torch.float32 torch.float32 torch.float32"),
     ],
 )
-def test_fsdp_under_bf16_computes_in_bf16_and_keeps_float32_shards_and_gradients(tmp_path, dtype, expected):
+def test_fsdp_under_bf16_gathers_bf16_reduces_float32_and_keeps_float32_shards(tmp_path, dtype, expected):
+    """On 2 processes: a block computes with bf16 weights (gathered in bf16), its gradients are
+    reduce-scattered in float32, and the shards and their gradients stay float32 (the master copy)."""
     script = tmp_path / "probe.py"
     script.write_text(MIXED_PRECISION_PROBE)
-    proc = run([PYTHON, script, EXAMPLES / "gpt", free_port(), dtype], timeout=120)
+    proc = run([PYTHON, script, EXAMPLES / "gpt", free_port(), dtype], timeout=180)
     assert f"RESULT {expected}" in proc.stdout, proc.stdout[-2000:]
