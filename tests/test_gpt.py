@@ -404,6 +404,30 @@ def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_pat
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "ro"]  # no metrics, no snapshot
 
 
+def test_replicas_that_differ_are_named():
+    parallel, config = import_gpt_module("parallel"), import_gpt_module("config")
+    hsdp = config.Layout(dp_replicate=2, dp_shard=2)  # ranks 0 and 2 hold one shard, 1 and 3 the other
+    same = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "b"}]
+    assert parallel.replica_mismatches(hsdp, same) == (4, [])
+    differ = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "c"}]
+    assert parallel.replica_mismatches(hsdp, differ) == (4, ["dp_shard weights of ranks [1, 3]: ['b', 'c']"])
+    pp = config.Layout(pp=2)  # the tied embedding: the first stage's copy and the last's
+    assert parallel.replica_mismatches(pp, [{"": "x", "tied": "t"}, {"": "y", "tied": "u"}])[1] == [
+        "tied weights of ranks [0, 1]: ['t', 'u']"
+    ]
+
+
+def test_an_existing_snapshot_folder_must_itself_be_writable(tmp_path, monkeypatch):
+    config = import_gpt_module("config")
+    snapshots = tmp_path / "gpt_snapshot"
+    snapshots.mkdir()
+    assert config.unwritable(str(snapshots)) is None
+    access = os.access  # as root every folder is writable: refuse this one folder as a read-only mount would
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(snapshots) and access(path, mode))
+    assert config.unwritable(str(snapshots)) == f"{snapshots} is not writable"
+    assert config.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
+
+
 def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, cache):
     train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
     before = files(tmp_path / "gpt_snapshot")

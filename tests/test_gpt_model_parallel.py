@@ -78,12 +78,17 @@ LAYOUTS = {
     "pp x ddp": ["--pp", 2, "--dp_replicate", 2, "--batch_size", 8, "--pp_microbatches", 2],
     "hsdp": ["--dp_replicate", 2, "--dp_shard", 2, "--batch_size", 4],
 }
+# copies compared at the end, by digest: fsdp x tp, the unsplit-by-tp shards (norms) on each pair of tp
+# processes; pp x fsdp, the tied embedding's shards on the first and last stage; pp x ddp, both stages'
+# replicas and the tied embedding; hsdp, each shard on its 2 replicas
+REPLICA_COPIES = {"fsdp x tp": 4, "pp x fsdp": 4, "pp x ddp": 8, "hsdp": 4}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_2d_layouts_on_4_ranks_equal_one_process_with_the_same_global_batch(tmp_path, cache, one, layout):  # noqa: F811
     proc = train(tmp_path, cache, *RUN, *LAYOUTS[layout], nproc=4)
     assert "global batch 16 x 64 tokens" in proc.stdout, proc.stdout[-2000:]
+    assert REPLICAS_RE.search(proc.stdout).group(1) == str(REPLICA_COPIES[layout]), proc.stdout[-2000:]
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 

@@ -182,6 +182,10 @@ def plant(kind, snapshot_dir, tmp_path):
         state["vocab"] = RunsCode()
         torch.save(state, tmp_path / "gpt_snapshot.pt")  # a real torch file with one object inside
         return tmp_path / "gpt_snapshot.pt"
+    if kind == "linked":  # the step directory a symbolic link to a folder elsewhere on the machine
+        step_dir.rename(tmp_path / "elsewhere")
+        step_dir.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        return tmp_path / "elsewhere" / "extra.pt"
     if kind == "extra":
         (step_dir / "extra.pt").write_bytes(pickle.dumps({"config": RunsCode()}))
         return step_dir / "extra.pt"
@@ -212,7 +216,10 @@ def plant(kind, snapshot_dir, tmp_path):
     return data
 
 
-@pytest.mark.parametrize("kind", ["other_config", "exported", "extra", "metadata", "distcp", "escaping"])
+KINDS = ["other_config", "exported", "extra", "metadata", "distcp", "escaping", "linked"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache, crashed, kind):
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
     planted = plant(kind, tmp_path / "gpt_snapshot", tmp_path)
@@ -233,13 +240,14 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
         *(["--init_from", "gpt_snapshot.pt"] if kind == "exported" else []),
     ]
     procs = [train(tmp_path, cache, *args, check=False, env=env)]
-    if kind in ("metadata", "distcp", "escaping"):
+    if kind in ("metadata", "distcp", "escaping", "linked"):
         procs.append(export(tmp_path / "gpt_snapshot", tmp_path / "out.pt", check=False, env=env))
     for proc in procs:
         assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
         assert "cannot resume from" in proc.stdout and "left untouched" in proc.stdout, proc.stdout[-2000:]
         assert kind != "other_config" or "another configuration: n_layer 2 (this run: 3)" in proc.stdout
-        assert kind != "escaping" or "leaves the snapshot's folder" in proc.stdout, proc.stdout[-2000:]
+        if kind in ("escaping", "linked"):
+            assert "leaves the snapshot's folder" in proc.stdout, proc.stdout[-2000:]
     assert not (tmp_path / "pwned").exists()
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
 

@@ -6,7 +6,7 @@ read that would run code, or that lies outside the snapshot's folder.
     PATH/latest                         the name of the newest complete step directory, replaced atomically
     PATH/step-00000060-<id>/.metadata   DCP's index of the parts
     PATH/step-00000060-<id>/*.distcp    the model's and the optimizer's tensors, as each process held them
-    PATH/step-00000060-<id>/extra.pt    the rest: config, vocabulary, step, random states... (rank 0)
+    PATH/step-00000060-<id>/extra.pt    the rest: config, vocabulary, step, random states... (leader)
 
 A single file (export.py writes one from a snapshot) holds the same, whole: torch.load(weights_only=True)
 reads it, and --init_from imports it into any layout (import_file).
@@ -49,7 +49,7 @@ def save_file(path, state):
 def load_file(path, expected):
     """The single-file snapshot at path, after checking that its entries in `expected` (model shape,
     vocabulary) match. weights_only=True: only tensors and plain containers are unpickled, never objects
-    that run code; mmap: its tensors stay on disk until used (only rank 0 uses them: import_file)."""
+    that run code; mmap: its tensors stay on disk until used (only the leader uses them: import_file)."""
     import torch
 
     try:
@@ -115,22 +115,25 @@ class MetadataUnpickler(pickle.Unpickler):
         return found
 
 
+def inside(folder, name, what):
+    """folder/name, refused when it is absolute or leads out of folder, by ../ or by symbolic links."""
+    root = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(root, name))
+    if not name or os.path.isabs(name) or target == root or os.path.commonpath([root, target]) != root:
+        raise SnapshotError(
+            f"cannot resume from {folder}: {what}, {name!r}, leaves the snapshot's folder; nothing was read. "
+            "It was left untouched; move it away or pass another --snapshot_path"
+        )
+    return Path(folder) / name
+
+
 def read_metadata(step_dir):
     """DCP's index of a step directory, unpickled through the allowlist; every file it names must lie
     inside step_dir (DCP would join an absolute or ../ path to the folder and open whatever it names)."""
-    step_dir = Path(step_dir)
-    with open(step_dir / ".metadata", "rb") as f:
+    with open(inside(step_dir, ".metadata", "its index"), "rb") as f:
         metadata = MetadataUnpickler(f).load()
-    root = os.path.realpath(step_dir)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
-        name = str(getattr(info, "relative_path", ""))
-        inside = os.path.realpath(os.path.join(root, name))
-        if not name or os.path.isabs(name) or os.path.commonpath([root, inside]) != root or inside == root:
-            raise SnapshotError(
-                f"cannot resume from {step_dir}: a storage path in its .metadata, {name!r}, leaves the "
-                "snapshot's folder; nothing was read. It was left untouched; move it away or pass another "
-                "--snapshot_path"
-            )
+        inside(step_dir, str(getattr(info, "relative_path", "")), "a storage path in its .metadata")
     return metadata
 
 
@@ -205,17 +208,18 @@ def set_flat_state(model, optimizer, state):
                    options=options)  # fmt: skip
 
 
-def save(path, model, optimizer, extra):
+def save(path, model, optimizer, extra, leader=0):
     """A collective: every process writes its parts of the model and the optimizer into a new step
-    directory; then rank 0 adds `extra`, points PATH/latest at it with one atomic rename and removes older
-    step directories. A crash at any moment leaves the previous snapshot complete and pointed at."""
+    directory; then the process of rank `leader` adds `extra`, points PATH/latest at it with one atomic
+    rename and removes older step directories. A crash at any moment leaves the previous snapshot
+    complete and pointed at."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized()
     name = [step_name(extra)]
     if distributed:
-        dist.broadcast_object_list(name, src=0)
-    write(path, name[0], flat_state(model, optimizer), extra, distributed)
+        dist.broadcast_object_list(name, src=leader)
+    write(path, name[0], flat_state(model, optimizer), extra, distributed, leader)
     if distributed:
         dist.barrier()
 
@@ -224,9 +228,9 @@ def step_name(extra):
     return f"step-{int(extra['step']):08d}-{time.time_ns():x}"  # never the directory `latest` names
 
 
-def write(path, name, state, extra, distributed):
+def write(path, name, state, extra, distributed, leader=0):
     """DCP writes `state` (flat: parameter names as keys) into PATH/name, every process its parts; then
-    rank 0 (or the only process) commits it: extra.pt, fsync, the pointer renamed, older steps removed."""
+    the leader (or the only process) commits it: extra.pt, fsync, the pointer renamed, older steps removed."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -240,7 +244,7 @@ def write(path, name, state, extra, distributed):
             planner=DefaultSavePlanner(flatten_state_dict=False),
             no_dist=not distributed,
         )
-    if distributed and dist.get_rank() != 0:
+    if distributed and dist.get_rank() != leader:
         return
     save_file(target / "extra.pt", extra)
     fsync_dir(target)
@@ -252,7 +256,7 @@ def write(path, name, state, extra, distributed):
     os.replace(tmp, path / POINTER)
     fsync_dir(path)
     for old in path.iterdir():
-        if old.is_dir() and STEP_DIR.match(old.name) and old.name != name:
+        if old.is_dir() and not old.is_symlink() and STEP_DIR.match(old.name) and old.name != name:
             shutil.rmtree(old)
 
 
@@ -264,7 +268,7 @@ def latest(path):
     name = pointer.read_text().strip()
     if not STEP_DIR.match(name) or not (Path(path) / name).is_dir():
         raise SnapshotError(f"cannot resume from {path}: {pointer} names no step directory ({name[:80]!r})")
-    return Path(path) / name
+    return inside(path, name, "its step directory")
 
 
 def load(path, expected):
@@ -275,7 +279,7 @@ def load(path, expected):
     step_dir = latest(path)
     if step_dir is None:
         return None
-    state = load_file(step_dir / "extra.pt", expected)
+    state = load_file(inside(step_dir, "extra.pt", "its extra state"), expected)
     try:
         read_metadata(step_dir)
     except pickle.UnpicklingError as exc:
@@ -317,21 +321,21 @@ def load_shards(step_dir, model, optimizer):
     set_flat_state(model, optimizer, state)
 
 
-def import_file(path, state):
+def import_file(path, state, leader=0):
     """A collective: a single-file snapshot (its whole model and optimizer, as export.py writes them) made
-    the first snapshot in directory PATH, by rank 0 alone; its step directory, which every process then
-    reads its parts from like any other snapshot's (load_shards). The file's tensors go to disk as they
-    are: no model is built for them."""
+    the first snapshot in directory PATH, by the process of rank `leader` alone; its step directory, which
+    every process then reads its parts from like any other snapshot's (load_shards). The file's tensors go
+    to disk as they are: no model is built for them."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized()
     name = [None]
-    if not distributed or dist.get_rank() == 0:
+    if not distributed or dist.get_rank() == leader:
         extra = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
         name[0] = step_name(extra)
         write(path, name[0], flat_whole(state), extra, distributed=False)
     if distributed:
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, src=leader)
     return Path(path) / name[0]
 
 

@@ -52,6 +52,9 @@ class Layout:
     zero: bool = False  # dp_replicate's AdamW state split over the replicas (ZeroRedundancyOptimizer)
 
     NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+    # The process that logs, writes the metrics file and commits each snapshot (its extra state and the
+    # pointer to it): the one at coordinate 0 of every dimension, on the first pipeline stage.
+    leader = 0
 
     @property
     def shape(self):
@@ -255,6 +258,16 @@ def make_layout(args, world):
         )
     if args.parallel is not None:
         dim = SHORTHAND[args.parallel]
+        if args.comm_hook and dim != "dp_replicate":
+            raise ValueError(
+                f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which --parallel "
+                f"{args.parallel} does not run"
+            )
+        if dim == "pp" and world == 1:
+            raise ValueError(
+                "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
+                "start it with torchrun --nproc-per-node 2 or more"
+            )
         if given and not zero:
             raise ValueError(
                 f"--parallel {args.parallel} is shorthand for --{dim} {world} (WORLD_SIZE): give either it "
@@ -282,27 +295,15 @@ def layout_checks(args, layout, cuda):
             f"--tp {layout.tp}: --n_head {args.n_head} does not divide into {layout.tp} parts",
         ),
         (
-            not args.comm_hook
-            or (
-                args.parallel in (None, "ddp", "zero")
-                and (layout.pp, layout.dp_shard, layout.tp) == (1, 1, 1)
-            ),
-            f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which --parallel "
-            f"{args.parallel or layout.describe()} does not run",
+            not args.comm_hook or (layout.pp, layout.dp_shard, layout.tp) == (1, 1, 1),
+            f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which {layout.describe()} "
+            "does not run",
         ),
         (
             not args.compile or (layout.pp, layout.tp) == (1, 1),
             f"--compile is for data-parallel layouts; {layout.describe()} runs the model uncompiled",
         ),
     ]
-    if args.parallel == "pp" and layout.pp == 1:
-        checks.append(
-            (
-                False,
-                "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
-                "start it with torchrun --nproc-per-node 2 or more",
-            )
-        )
     if layout.pp > 1:
         checks += [
             (
@@ -334,10 +335,13 @@ def layout_checks(args, layout, cuda):
 
 
 def unwritable(path):
-    """Why a file or directory could not be created at path, or None: the nearest folder that exists on
-    the way to it must be a writable directory. Nothing is created."""
+    """Why a file or directory could not be written at path, or None: an existing directory there (a
+    snapshot folder, written into) must itself be writable, else the nearest folder that exists on the
+    way to it must be a writable directory. Nothing is created."""
     if path is None:
         return None
+    if os.path.isdir(path):
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)

@@ -46,11 +46,12 @@ def main():
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
                  "--snapshot_path on a filesystem that every node shares")  # fmt: skip
-    if snapshot is not None and rank == 0:
+    leads = rank == args.layout.leader  # the process that speaks for all
+    if snapshot is not None and leads:
         source = args.snapshot_path if "shards" in snapshot else args.init_from
         print(f"resuming from {source} at step {snapshot['step']}", flush=True)
     if snapshot is not None and snapshot["step"] >= args.max_steps:
-        if rank == 0:
+        if leads:
             print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
                   "raise --max_steps to go on", flush=True)  # fmt: skip
     else:

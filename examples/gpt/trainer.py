@@ -73,6 +73,7 @@ class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         layout = self.layout = args.layout
+        self.leads = rank == layout.leader  # logs, records the metrics, commits snapshots
         self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
         ids, self.vocab = corpus
         train, val = data.split(ids, args.block_size)
@@ -119,8 +120,8 @@ class Trainer:
 
     def restore(self, snapshot):
         optimizer = parallel.local_optimizer(self.optimizer)
-        if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot by rank 0
-            snapshot["shards"] = checkpoint.import_file(self.args.snapshot_path, snapshot)
+        if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot
+            snapshot["shards"] = checkpoint.import_file(self.args.snapshot_path, snapshot, self.layout.leader)
         checkpoint.load_shards(snapshot["shards"], self.raw, optimizer)  # each process reads its own parts
         self.scaler.load_state_dict(snapshot["scaler"])
         self.step = int(snapshot["step"])
@@ -157,9 +158,10 @@ class Trainer:
             )
 
     def save(self):
-        """A collective: every process writes its parts, rank 0 the rest (checkpoint.save)."""
+        """A collective: every process writes its parts, the leader the rest (checkpoint.save)."""
         extra = self.extra_state()
-        checkpoint.save(self.args.snapshot_path, self.raw, parallel.local_optimizer(self.optimizer), extra)
+        optimizer = parallel.local_optimizer(self.optimizer)
+        checkpoint.save(self.args.snapshot_path, self.raw, optimizer, extra, self.layout.leader)
 
     # ---- one step ------------------------------------------------------------------------------------
     def lr_at(self, step):
@@ -223,11 +225,11 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------------------------
     def log(self, text):
-        if self.rank == 0:
+        if self.leads:
             print(text, flush=True)
 
     def record(self, **fields):
-        if self.rank == 0 and self.args.metrics_path:
+        if self.leads and self.args.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.args.metrics_path)), exist_ok=True)
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(fields) + "\n")
@@ -282,7 +284,7 @@ class Trainer:
             return
         path = self.args.snapshot_path
         kept = f"{path} still holds the last good snapshot" if os.path.exists(path) else "nothing was saved"
-        if self.rank == 0:
+        if self.leads:
             print(
                 f"error: the loss became {loss} by step {self.step} (lr {self.lr_at(self.step - 1):.2e}): "
                 f"training stopped, {kept}. Lower --lr, or raise --warmup_steps",
