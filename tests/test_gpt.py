@@ -1,6 +1,6 @@
 """The GPT trainer (examples/gpt): causal model, DDP equal to one process, exact resume (also after a
-SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes keep the whole file at a few
-minutes on 2 cores."""
+SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes keep the whole file at about
+2.5 minutes on 2 cores (156 s measured)."""
 
 import argparse
 import http.server

@@ -4,13 +4,12 @@
     python tools/memory.py --ranks 2 --strategies ddp fsdp --steps 3 -- --n_layer 2   # after --: train.py's
 
 The layouts: each --parallel strategy (all processes along one mesh dimension) and, on 4 processes, the
-2-D ones (LAYOUTS). Each trains for --steps steps on --ranks CPU processes (one per GPU where there are
-that many GPUs), and
-every rank reports the bytes of its parameters, gradients and optimizer state (its local shards where a
-strategy shards them) and its peak memory: peak RSS on CPUs, which includes torch itself and the corpus,
-or the CUDA allocator's peak on GPUs. Prints the table, and writes memory.json, memory.md and memory.png
-(with matplotlib) under --out. A strategy that fails is reported with the last line it printed; the exit
-status is then 1.
+2-D ones (LAYOUTS). Each trains for --steps steps on --ranks CPU processes (on a machine with GPUs, one
+per GPU, 4 of them where there are more), and every rank reports the bytes of its parameters, gradients
+and optimizer state (its local shards where a strategy shards them) and its peak memory: peak RSS on CPUs,
+which includes torch itself and the corpus, or the CUDA allocator's peak on GPUs. Prints the table, and
+writes memory.json, memory.md and memory.png (with matplotlib) under --out. A strategy that fails is
+reported with the last line it printed; the exit status is then 1.
 """
 
 import argparse
@@ -135,7 +134,9 @@ def main(argv=None):
         "--strategies", nargs="+", metavar="NAME",
         help="a subset of the layouts: train.py's --parallel choices and, on 4 ranks, " + ", ".join(LAYOUTS),
     )  # fmt: skip
-    p.add_argument("--ranks", type=int, default=4, help="processes on CPUs (4); on GPUs, all of them")
+    p.add_argument(
+        "--ranks", type=int, default=4, help="processes on CPUs (4); on GPUs, 4 or as many as there are"
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps per strategy (3)")
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=600, help="seconds one strategy's run may take (600)")
@@ -146,8 +147,10 @@ def main(argv=None):
     if args.steps <= 0 or args.limit <= 0 or args.ranks < 2:
         p.error("--steps and --limit must be positive, --ranks 2 or more")
     gpus = torch.cuda.device_count()
-    ranks, device = (gpus, "cuda") if gpus >= 2 else (args.ranks, "cpu")
+    ranks, device = (min(gpus, 4), "cuda") if gpus >= 2 else (args.ranks, "cpu")
     known = layouts(ranks)
+    if ranks != 4 and not args.strategies:
+        print(f"note: the 2-D layouts ({', '.join(LAYOUTS)}) need 4 ranks: left out on {ranks}", flush=True)
     chosen = args.strategies or list(known)
     unknown = [s for s in chosen if s not in known]
     if unknown:
