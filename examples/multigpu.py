@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 def ddp_setup(rank, world_size, timeout):
     """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)  # one GPU per process
+        torch.cuda.set_device(rank)  # one GPU per process: the current device from here on
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
 
@@ -67,13 +67,13 @@ class Trainer:
 
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
-    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    dist.destroy_process_group()  # a group still held (see imports) keeps threads that can abort the exit
+    dist.destroy_process_group()  # a group still pinned (see imports): exit aborts, docs/troubleshooting.md
 
 
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs

@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler

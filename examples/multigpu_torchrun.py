@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 def ddp_setup(local_rank, timeout):
     """Join the process group: torchrun put the rank, the world size and the rendezvous in the environment."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # one GPU per process
+        torch.cuda.set_device(local_rank)  # one GPU per process: the current device from here on
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # bounds the wait for the others
 
@@ -68,13 +68,13 @@ class Trainer:
 def main(args):
     local_rank = int(os.environ["LOCAL_RANK"])  # torchrun numbers the processes on this machine
     ddp_setup(local_rank, args.timeout)
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    dist.destroy_process_group()  # a group still held (see imports) keeps threads that can abort the exit
+    dist.destroy_process_group()  # a group still pinned (see imports): exit aborts, docs/troubleshooting.md
 
 
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.

@@ -7,9 +7,9 @@ from conftest import REPO, VENV, run
 from torch.distributed import TCPStore
 
 
-def doctor(endpoint):
+def doctor(endpoint, env=None):
     cmd = ["make", "-C", REPO, "doctor", f"VENV={VENV}", f"ENDPOINT={endpoint}"]
-    return run(cmd, timeout=300, check=False)
+    return run(cmd, timeout=300, check=False, env=env)
 
 
 def test_doctor_passes_with_a_reachable_endpoint():
@@ -18,6 +18,7 @@ def test_doctor_passes_with_a_reachable_endpoint():
     proc = doctor(f"127.0.0.1:{store.port}")
     assert proc.returncode == 0, proc.stdout
     lines = ["PASS  backends", "PASS  endpoint", "INFO  versions", "INFO  interfaces"]
+    lines += ["INFO  route        to 127.0.0.1 (127.0.0.1) through interface lo: GLOO_SOCKET_IFNAME=lo"]
     lines += ["PASS  all-reduce   2 local processes agree on the sum (gloo on the CPU)"]
     for line in [*lines, "python 3.", "torch 2.13.0", "CUDA ", "NCCL "]:
         assert line in proc.stdout, line
@@ -40,3 +41,11 @@ def test_doctor_fails_on_a_port_held_by_another_program():
         proc = doctor(f"127.0.0.1:{listener.getsockname()[1]}")
     assert proc.returncode != 0
     assert "FAIL  endpoint" in proc.stdout and "does not answer as a torch rendezvous store" in proc.stdout
+
+
+def test_doctor_fails_on_an_interface_variable_naming_no_interface():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    proc = doctor(f"127.0.0.1:{store.port}", env={"GLOO_SOCKET_IFNAME": "eth9", "NCCL_SOCKET_IFNAME": "lo"})
+    assert proc.returncode != 0
+    assert "FAIL  interface    GLOO_SOCKET_IFNAME=eth9: no interface eth9 on this machine" in proc.stdout
+    assert "PASS  interface    NCCL_SOCKET_IFNAME=lo names an interface" in proc.stdout, proc.stdout

@@ -60,7 +60,8 @@ def test_trains_on_the_gpus(runs, name):
 
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_each_rank_runs_on_its_own_gpu(runs, name):
-    """The set_device pitfall (docs/troubleshooting.md): rank r of one node on cuda:r, never all on cuda:0."""
+    """The set_device pitfall (docs/troubleshooting.md): rank r of one node on cuda:r, never all on cuda:0.
+    Each lesson prints torch.cuda.current_device(): without ddp_setup's set_device every rank says cuda:0."""
     ranks = runs[1][name].ranks
     assert {rank: place[0] for rank, place in ranks.items()} == {r: f"cuda:{r}" for r in range(GPUS)}, ranks
 

@@ -81,6 +81,7 @@ def network():
         if addresses.returncode == 0:
             interfaces = "; ".join(" ".join(line.split()[::2]) for line in addresses.stdout.splitlines())
     report("INFO", "interfaces", interfaces)
+    interface_variables({name for _, name in socket.if_nameindex()})
     host = socket.gethostname()
     try:
         address = socket.gethostbyname(host)
@@ -98,8 +99,46 @@ def network():
         report("PASS", "hostname", f"{host} resolves to {address}")
 
 
+def interface_variables(names):
+    """GLOO_SOCKET_IFNAME (comma-separated names) and NCCL_SOCKET_IFNAME (name prefixes; =exact; ^ excludes)
+    must name interfaces this machine has: gloo fails at the start, NCCL may hang or use another."""
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = os.environ.get(variable)
+        if not value or value.startswith("^"):
+            continue
+        nccl = variable.startswith("NCCL")
+        wanted = value.removeprefix("=").split(",")
+        exact = not nccl or value.startswith("=")
+        missing = [w for w in wanted if not any(n == w or (not exact and n.startswith(w)) for n in names)]
+        if missing:
+            have = ", ".join(sorted(names))
+            detail = f"no interface {', '.join(missing)} on this machine (it has {have})"
+            report("FAIL", "interface", f"{variable}={value}: {detail}; name one reaching the other nodes")
+        else:
+            report("PASS", "interface", f"{variable}={value} names an interface of this machine")
+
+
+def route(host):
+    """The interface this machine sends to `host` through (ip route get): the one to name in
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when they pick another."""
+    try:
+        address = socket.gethostbyname(host)
+        out = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return
+    words = out.stdout.split()
+    if out.returncode == 0 and "dev" in words:
+        device = words[words.index("dev") + 1]
+        via = f"through interface {device}: GLOO_SOCKET_IFNAME={device}"
+        report("INFO", "route", f"to {host} ({address}) {via}")
+
+
 def endpoint(value, seconds):
     start = time.monotonic()
+    try:
+        route(split_endpoint(value)[0])
+    except ValueError:
+        pass
     try:
         host, port = split_endpoint(value)
         answer = store_answers(host, port, seconds)

@@ -9,6 +9,7 @@ cause ("cause: ...") and its fixed run exits 0. Exit status: 0 if every pitfall 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,13 +24,16 @@ def run(script, fixed):
     command = [sys.executable, str(script), *(["--fixed"] if fixed else [])]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
+    # a session of its own: on a timeout the script and every process it started are killed together
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
-        proc = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=LIMIT, env=env
-        )
-        code, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as exc:
-        code, output = None, exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        output, _ = proc.communicate(timeout=LIMIT)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        code, output = None, proc.communicate()[0] or ""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     return {"code": code, "seconds": round(time.monotonic() - start, 1), "lines": lines}
 

@@ -7,13 +7,16 @@ python examples/pitfalls/node_local_snapshots.py [--fixed]    # --fixed: one fol
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parent.parent  # the lessons this runs: single_gpu.py and multinode.py
+END = time.monotonic() + 45  # every wait below shares this deadline
 
 
 def two_nodes(folders, snapshot):
@@ -30,11 +33,17 @@ def two_nodes(folders, snapshot):
     command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--rdzv-conf=join_timeout=30"]
     command += [str(EXAMPLES / "multinode.py"), "2", "1", "--snapshot_path", snapshot]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    nodes = [
-        subprocess.Popen(command, cwd=f, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for f in folders
-    ]
-    outputs = [node.communicate(timeout=90)[0] for node in nodes]  # bounded: a node that hangs ends the wait
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    nodes = [subprocess.Popen(command, cwd=f, env=env, **pipes) for f in folders]
+    try:
+        outputs = [node.communicate(timeout=max(END - time.monotonic(), 0.1))[0] for node in nodes]
+    except subprocess.TimeoutExpired:  # a node that hangs: both killed with the workers they started
+        for node in nodes:
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:  # that node had ended
+                pass
+        sys.exit("cause: the two nodes did not finish within 45 s and were killed")
     return [node.returncode for node in nodes], outputs
 
 
@@ -48,7 +57,7 @@ def main():
             folder.mkdir()
         # an earlier run left its snapshot (1 epoch) on node0's disk
         first = [sys.executable, str(EXAMPLES / "single_gpu.py"), "1", "1", "--snapshot_path", "snap.pt"]
-        subprocess.run(first, cwd=folders[0], check=True, capture_output=True, timeout=90)
+        subprocess.run(first, cwd=folders[0], check=True, capture_output=True, timeout=END - time.monotonic())
         # the fix: a path every node sees (a shared file system or volume); here node0's folder, in full
         snapshot = str(folders[0] / "snap.pt") if args.fixed else "snap.pt"
         codes, outputs = two_nodes(folders, snapshot)

@@ -34,10 +34,12 @@ def worker(rank, fixed):
         else:
             if rank == 0:
                 evaluate(1.0)
-            # monitored_barrier: every rank reports in, so a late one is named instead of a bare timeout
+            # monitored_barrier instead of a bare timeout in the next collective: the rank that waited
+            # says whom it waited for (a late rank other than 0 is named by rank 0)
             dist.monitored_barrier(timeout=TIMEOUT)
     except RuntimeError as exc:
-        sys.exit(f"seen: rank {rank}: {' '.join(str(exc).split())[:240]}")
+        message = " ".join(str(exc).split(" Original exception:")[0].split())  # without gloo's source path
+        sys.exit(f"seen: rank {rank}: {message[:240]}")
     if rank == 0:
         each = f"{WORK / 2:g} s each"
         print(f"fixed: both ranks evaluated half ({each}), met within {TIMEOUT.seconds} s", flush=True)
@@ -56,7 +58,8 @@ def main():
     except mp.ProcessExitedException:
         sys.exit(
             f"cause: rank 0 worked alone for {WORK:g} s while rank 1 waited for it in a collective, past the "
-            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or a longer timeout"
+            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or make the others "
+            "wait for it in a barrier whose timeout covers the work"
         )
 
 

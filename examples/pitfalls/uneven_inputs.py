@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.multiprocessing as mp
 from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,17 +34,18 @@ def worker(rank, fixed):
         with Join([model], enable=fixed):
             for x in batches:
                 optimizer.zero_grad()
-                model(x).pow(
-                    2
-                ).mean().backward()  # DDP all-reduces the gradients in here: every rank must come
+                # DDP all-reduces the gradients inside backward(): every rank must come
+                model(x).pow(2).mean().backward()
                 optimizer.step()
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
         everyone = [torch.empty_like(params) for _ in range(2)]
         dist.all_gather(everyone, params)
     except RuntimeError as exc:
         sys.exit(f"seen: rank {rank}: {one_line(exc)}")
+    same = sum(torch.equal(params, other) for other in everyone)
+    if same != 2:  # every rank finished, yet the models differ: not fixed
+        sys.exit(f"error: rank {rank}: replicas identical on only {same} of 2 ranks")
     if rank == 0:
-        same = sum(torch.equal(params, other) for other in everyone)
         print(f"fixed: every rank finished; replicas identical on {same} of 2 ranks", flush=True)
     del model  # the DDP reducer holds the group: release it first, then the group ends cleanly
     dist.destroy_process_group()

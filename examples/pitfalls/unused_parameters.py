@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: DDP imports it, and it holds whatever group exists then
+import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -20,16 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 class TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.body, self.head_a, self.head_b = (
-            torch.nn.Linear(4, 4),
-            torch.nn.Linear(4, 1),
-            torch.nn.Linear(4, 1),
-        )
+        self.body = torch.nn.Linear(4, 4)
+        self.head_a, self.head_b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
 
-    def forward(self, x, task):
-        return (self.head_a if task == "a" else self.head_b)(
-            self.body(x)
-        )  # one head per batch: the other idles
+    def forward(self, x, task):  # one head per batch: the other idles
+        head = self.head_a if task == "a" else self.head_b
+        return head(self.body(x))
 
 
 def worker(rank, fixed):
