@@ -53,6 +53,8 @@ path, args.snapshot_path = args.snapshot_path, "resaved"
 trainer.save()
 args.snapshot_path = path
 trainer.train()
+sys.stdout.flush()
+os._exit(0)  # as train.py ends: the group's gloo threads, still held, could abort a normal shutdown
 """
 
 
@@ -278,7 +280,7 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
 
 
 MIXED_PRECISION_PROBE = """
-import sys
+import os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 sys.path.insert(0, sys.argv[1])
 import parallel
@@ -309,7 +311,8 @@ def probe(rank, port, bf16):
     shard = next(iter(block.parameters()))
     if rank == 0:
         print("RESULT", seen[0], seen[-1], shard.dtype, shard.grad.dtype, flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)  # as train.py ends: FSDP still holds the group, whose threads could abort a normal shutdown
 
 
 if __name__ == "__main__":
