@@ -75,13 +75,14 @@ def backends():
 
 
 def network():
-    interfaces = ", ".join(name for _, name in socket.if_nameindex())
+    names = [name for _, name in socket.if_nameindex()]
+    interfaces = ", ".join(names)
     if shutil.which("ip"):  # with iproute2, the IPv4 address of each interface too
         addresses = subprocess.run(["ip", "-brief", "-4", "addr"], capture_output=True, text=True, timeout=10)
         if addresses.returncode == 0:
             interfaces = "; ".join(" ".join(line.split()[::2]) for line in addresses.stdout.splitlines())
     report("INFO", "interfaces", interfaces)
-    interface_variables({name for _, name in socket.if_nameindex()})
+    interface_variables(set(names))
     host = socket.gethostname()
     try:
         address = socket.gethostbyname(host)
@@ -134,13 +135,10 @@ def route(host):
 
 
 def endpoint(value, seconds):
-    start = time.monotonic()
-    try:
-        route(split_endpoint(value)[0])
-    except ValueError:
-        pass
     try:
         host, port = split_endpoint(value)
+        route(host)
+        start = time.monotonic()
         answer = store_answers(host, port, seconds)
     except ValueError as exc:
         answer = exc

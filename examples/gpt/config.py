@@ -259,10 +259,7 @@ def make_layout(args, world):
     if args.parallel is not None:
         dim = SHORTHAND[args.parallel]
         if args.comm_hook and dim != "dp_replicate":
-            raise ValueError(
-                f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which --parallel "
-                f"{args.parallel} does not run"
-            )
+            raise ValueError(comm_hook_refused(f"--parallel {args.parallel}"))
         if dim == "pp" and world == 1:
             raise ValueError(
                 "--parallel pp needs at least 2 processes, one pipeline stage each (WORLD_SIZE is 1): "
@@ -287,6 +284,10 @@ def make_layout(args, world):
     return layout
 
 
+def comm_hook_refused(layout):
+    return f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which {layout} does not run"
+
+
 def layout_checks(args, layout, cuda):
     """Sizes that do not split over the layout, found here, before any process group forms."""
     checks = [
@@ -296,8 +297,7 @@ def layout_checks(args, layout, cuda):
         ),
         (
             not args.comm_hook or (layout.pp, layout.dp_shard, layout.tp) == (1, 1, 1),
-            f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which {layout.describe()} "
-            "does not run",
+            comm_hook_refused(layout.describe()),
         ),
         (
             not args.compile or (layout.pp, layout.tp) == (1, 1),
