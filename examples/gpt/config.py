@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from ac import MODES as AC_MODES
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -150,6 +151,13 @@ def get_parser():
     group.add_argument(
         "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
     )
+    group = p.add_argument_group("memory")
+    group.add_argument(
+        "--ac", choices=AC_MODES, default="none",
+        help="activation checkpointing: blocks keep only their input and recompute the rest in backward; "
+        "full: every block, selective: every --ac_every-th block (none)",
+    )  # fmt: skip
+    group.add_argument("--ac_every", type=int, help="--ac selective: every this many blocks recompute (2)")
     group = p.add_argument_group(
         "parallelism: a device mesh pp x dp_replicate x dp_shard x tp, whose product is the number of "
         "processes (docs/parallelism.md)"
@@ -217,6 +225,11 @@ def parse_args(argv=None):
         (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
         (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
+        (
+            args.ac_every is None or args.ac == "selective",
+            f"--ac_every is for --ac selective (this run: --ac {args.ac})",
+        ),
+        (args.ac_every is None or args.ac_every > 0, f"--ac_every must be positive, got {args.ac_every}"),
         (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
         (
             not os.path.isfile(args.snapshot_path),
@@ -237,6 +250,7 @@ def parse_args(argv=None):
     for ok, message in checks + layout_checks(args, args.layout, cuda):
         if not ok:
             parser.error(message)
+    args.ac_every = 2 if args.ac_every is None else args.ac_every
     for option in ("snapshot_path", "metrics_path"):  # found now, not at the first save after training
         problem = unwritable(getattr(args, option))
         if problem:

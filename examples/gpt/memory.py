@@ -1,7 +1,9 @@
 """What one process holds: bytes of parameters, gradients and optimizer state, and its peak memory.
 
 Sharded strategies keep DTensors: only the local shard of each is counted, since that is what this process
-stores. Tensors that appear twice (the tied embedding and output weight) count once.
+stores. Tensors that appear twice (the tied embedding and output weight) count once. Gradients are counted at
+the end of every micro-batch's backward, where they peak: FSDP2 may then hold unsharded gradients of its own
+(gradient sync off, as a pipeline stage does between its micro-batches), which are counted too.
 """
 
 import resource
@@ -27,21 +29,42 @@ def optimizers(optimizer):
     return [optimizer, *inner]
 
 
+def fsdp_unsharded_grads(model):
+    """The whole-size gradients FSDP2 keeps between micro-batches while its gradient sync is off (not
+    parameters' .grad: they wait inside FSDP's own parameter records until a reduce-scatter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules() if isinstance(model, torch.nn.Module) else []:
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                unsharded = getattr(param, "_unsharded_param", None)
+                out += [param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad]
+    return out
+
+
 class MemoryMeter:
     """Counts what the model and the optimizer hold. Gradients exist only between backward() and the
-    optimizer's zero_grad, so they are counted just before each optimizer step; the largest count stays."""
+    optimizer's zero_grad: they are counted after each micro-batch's backward (count_grads, which the
+    trainer's Parallel calls when given as `parallel`) and just before each optimizer step; the largest
+    count stays."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, parallel=None):
         self.model, self.optimizer, self.grads_bytes = model, optimizer, 0
-        optimizer.register_step_pre_hook(self._count_grads)
+        optimizer.register_step_pre_hook(self.count_grads)
+        if parallel is not None:
+            parallel.after_backward.append(self.count_grads)
 
     def parameters(self):
         """The model's parameters (and the optimizer's, where the model is not a module)."""
         params = list(self.model.parameters()) if isinstance(self.model, torch.nn.Module) else []
         return params + [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _count_grads(self, *_):
-        self.grads_bytes = max(self.grads_bytes, nbytes(p.grad for p in self.parameters()))
+    def count_grads(self, *_):
+        held = [p.grad for p in self.parameters()] + fsdp_unsharded_grads(self.model)
+        self.grads_bytes = max(self.grads_bytes, nbytes(held))
 
     def report(self, device):
         """Bytes held by this process now, and its peak: the device's allocator on a GPU, else peak RSS."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,15 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute = False  # activation checkpointing (ac.apply_ac)
 
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            # keep the input only; backward recomputes the rest, with the same random state (dropout)
+            return checkpoint(self.residual, x, use_reentrant=False)
+        return self.residual(x)
+
+    def residual(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

@@ -1,5 +1,6 @@
 """How the processes share the work: one device mesh (config.Layout) and a small function per parallelism.
 
+    apply_ac        activation checkpointing of the chosen blocks (ac.py), before any of these
     build_mesh      the named mesh pp x dp_replicate x dp_shard x tp
     split_stage     pp: this process keeps its stage's consecutive blocks
     apply_tp        tp: every block's four matrices split over mesh["tp"]
@@ -15,12 +16,13 @@ the loss of a pipeline, the gradient norm, and the end-of-run comparison of repl
 
 import hashlib
 import itertools
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from ac import apply_ac
 from model import cross_entropy, generate, initial_value
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,19 +66,22 @@ def apply_tp(model, mesh):
         block.attn.head_share = mesh["tp"].get_local_rank()
 
 
-def apply_fsdp(model, mesh, param_dtype=None):
+def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
     """FSDP2 over (dp_replicate, dp_shard): each block's parameters split over dp_shard, gathered just
     before its forward and backward, gradients reduce-scattered; with dp_replicate > 1, HSDP: the shards
     are replicated and their gradients all-reduced across replicas. Under bf16, parameters travel (and
     compute) in bf16, gradients are reduced in float32 and the sharded float32 weights are the master copy.
-    The tied embedding/head matrix belongs to no block: the root call shards it, once."""
+    The tied embedding/head matrix belongs to no block: the root call shards it, once. A pipeline stage
+    passes reshard_after_forward=False (torchtitan's policy under pp): each block stays gathered from its
+    first micro-batch's forward to the step's last backward, one all-gather per block and step instead of
+    one per micro-batch and pass."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # costs a second or two to import
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     dp_mesh = mesh["dp_replicate", "dp_shard"]
     for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def apply_ddp(module, mesh, device, comm_hook=None):
@@ -111,17 +116,30 @@ def local_optimizer(optimizer):
 
 def materialise(model, device, seed):
     """Storage for this process's parts (the model was built on the meta device), filled with their
-    initial values: each parameter is made whole on the CPU, one at a time, and this process keeps its
-    part (distribute_tensor with src_data_rank=None cuts locally, no communication)."""
+    initial values: each parameter is made whole on the CPU, one at a time, cut there (local_part), and
+    only this process's part is copied to the device."""
     model.to_empty(device=device)
     if model.head is not None and model.tok_emb is not None:
         model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
+    cpu_meshes = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             value = initial_value(name, param.shape, model.cfg, seed)
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-            local(param).copy_(local(value))
+            local(param).copy_(local_part(value, param, cpu_meshes))
+            del value  # the next whole parameter is made once this one is gone
+
+
+def local_part(value, param, cpu_meshes):
+    """This process's part of the whole CPU tensor `value` of a (DTensor) parameter, cut on the CPU as
+    distribute_tensor cuts it (which would first copy the whole tensor to the parameter's device): on a
+    CPU mesh of the same ranks, without process groups, and src_data_rank=None, so nothing is sent."""
+    if not isinstance(param, DTensor):
+        return value
+    mesh = param.device_mesh
+    if id(mesh) not in cpu_meshes:
+        names = mesh.mesh_dim_names
+        cpu_meshes[id(mesh)] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=names, _init_backend=False)
+    return distribute_tensor(value, cpu_meshes[id(mesh)], param.placements, src_data_rank=None).to_local()
 
 
 def local(tensor):
@@ -135,15 +153,19 @@ class Parallel:
 
     def __init__(self, module, runner, layout, mesh):
         self.module, self.runner, self.layout, self.mesh = module, runner, layout, mesh
+        self.after_backward = []  # called after each micro-batch's backward (memory.MemoryMeter)
 
     def train(self, mode=True):
         self.module.train(mode)
 
     def sync(self, enabled):
         """A context for backward(): with enabled=False, gradients add up locally without communication
-        (DDP's no_sync, FSDP's set_requires_gradient_sync); the last micro-batch's backward reduces them."""
-        if hasattr(self.module, "set_requires_gradient_sync"):  # an FSDP module
-            self.module.set_requires_gradient_sync(enabled)
+        (DDP's no_sync); the last micro-batch's backward reduces them. FSDP2 reduce-scatters every
+        micro-batch's gradients all the same (as torchtitan does), so that they stay sharded: 1/dp_shard of
+        the model's at their peak, not a whole float32 copy kept between micro-batches. Only HSDP's
+        all-reduce across the replicas waits for the last micro-batch."""
+        if hasattr(self.module, "set_requires_all_reduce"):  # an FSDP module
+            self.module.set_requires_all_reduce(enabled)
         elif isinstance(self.runner, DDP) and not enabled:
             return self.runner.no_sync()
         return nullcontext()
@@ -151,7 +173,12 @@ class Parallel:
     def step(self, x, y, backward):
         _, loss = self.runner(x, y)
         backward(loss)
+        self.backward_done()
         return loss.detach()
+
+    def backward_done(self):
+        for hook in self.after_backward:
+            hook()
 
     def loss(self, x, y):
         return self.module(x, y)[1]
@@ -165,7 +192,9 @@ class Parallel:
 
 def parallelize(model, layout, args, device, param_dtype=None):
     """The meta-device model split over the layout, materialised: a Parallel (or Pipeline), or in a single
-    process the plain model behind the same interface."""
+    process the plain model behind the same interface. Activation checkpointing (--ac) is set on the
+    blocks first, whatever the layout."""
+    apply_ac(model, args.ac, args.ac_every)
     if layout.world == 1:
         materialise(model, device, args.seed)
         runner = torch.compile(model) if args.compile else model
@@ -179,7 +208,7 @@ def parallelize(model, layout, args, device, param_dtype=None):
     # schedule's micro-batches
     sharded = layout.dp_shard > 1 or (layout.dp_replicate > 1 and (layout.tp > 1 or layout.pp > 1))
     if sharded:
-        apply_fsdp(model, mesh, param_dtype)
+        apply_fsdp(model, mesh, param_dtype, reshard_after_forward=layout.pp == 1)
     materialise(model, device, args.seed)
     if layout.pp > 1:
         return Pipeline(model, layout, mesh, args, device)
@@ -202,7 +231,16 @@ class Pipeline(Parallel):
         self.stage, self.stages = mesh["pp"].get_local_rank(), layout.pp
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.ranks = [dist.get_global_rank(self.group, i) for i in range(self.stages)]
+        self.device = device
         stage = PipelineStage(module, self.stage, self.stages, device, group=self.group)
+        run_backward = stage.backward_maybe_with_nosync
+
+        def backward_then_count(*args, **kwargs):  # memory.MemoryMeter sees each micro-batch's gradients
+            out = run_backward(*args, **kwargs)
+            self.backward_done()
+            return out
+
+        stage.backward_maybe_with_nosync = backward_then_count
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
         self.schedule = schedule(stage, args.pp_microbatches, loss_fn=cross_entropy)
         # the first and the last stage each hold a copy of the token embedding, which is also the head: one
@@ -222,12 +260,13 @@ class Pipeline(Parallel):
     def step(self, x, y, backward):
         """Forward and backward over the micro-batches; returns the batch's mean loss in every stage."""
         losses = []
-        if self.first:
-            self.schedule.step(x)
-        elif self.last:
-            self.schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step()
+        with self.stage_rng():
+            if self.first:
+                self.schedule.step(x)
+            elif self.last:
+                self.schedule.step(target=y, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step()
         # In one process the shared weight's gradient is the sum of its two uses' terms (reading tokens in,
         # scoring them out). Here each use is on its own stage and each copy got one term: adding the two
         # copies' gradients gives both the sum one process has, so both take the same optimizer step and
@@ -235,6 +274,17 @@ class Pipeline(Parallel):
         if self.first or self.last:
             dist.all_reduce(local(self.module.tok_emb.weight.grad), group=self.tied)
         return self._from_last(torch.stack(losses).mean() if self.last else None, y.device)
+
+    @contextmanager
+    def stage_rng(self):
+        """Dropout: the processes of one data-parallel share draw from one stream (tp's must agree), so
+        without care every stage would draw the same masks for its blocks. Here each stage draws from its
+        own stream, seeded from the shared one (which so moves alike everywhere), as the successive blocks
+        of one process draw distinct masks."""
+        seed = int(torch.randint(2**62, ()))
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed + self.stage)
+            yield
 
     @torch.no_grad()
     def _forward(self, x, shape):

@@ -250,7 +250,7 @@ class Trainer:
             f"{a.block_size} tokens"
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
-        meter = MemoryMeter(self.raw, self.optimizer)
+        meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
         loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < a.max_steps:
             loss_sum += self.train_step()
