@@ -1,0 +1,222 @@
+"""The GPT trainer's memory options: gradients that stay sharded under accumulation (FSDP2 reduce-scatters
+every micro-batch), activation checkpointing (--ac) on several layouts and under --compile, pp x FSDP that
+gathers each block once a step with a dropout stream per stage, and initial values cut on the CPU. Every
+run trains unclipped (--grad_clip 0), so a wrong gradient scale shows in the weights and the AdamW state.
+Tiny model, a few steps each."""
+
+import json
+
+import pytest
+import torch
+from conftest import EXAMPLES, TORCHRUN, import_gpt_module, run
+from test_gpt import cache, max_diff, saved, train
+
+__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
+
+# global batch 16 in every run: 1 x 16, 2 processes x 2 sequences x 4 micro-batches, ...
+STEPS = ["--max_steps", 6, "--save_every", 6, "--eval_every", 6, "--grad_clip", 0, "--metrics_path", "m.jsonl"]
+ACCUM = ["--parallel", "fsdp", "--batch_size", 2, "--grad_accum", 4]
+
+
+def assert_same_state(a, b, tolerance):
+    """Weights and AdamW state of two runs' snapshots (as one process holds them) within tolerance."""
+    assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
+    diffs = {"weights": max_diff(a["model"], b["model"])}
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for name, state in a["optimizer"]["state"].items():
+        diffs[name] = max_diff(state, b["optimizer"]["state"][name])
+    print(f"largest differences: weights {diffs['weights']:.3g}, AdamW state {max(diffs.values()):.3g}")
+    assert max(diffs.values()) <= tolerance, diffs
+
+
+def memory_records(folder):
+    records = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
+    return [r["memory"] for r in sorted((r for r in records if "memory" in r), key=lambda r: r["rank"])]
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, cache):  # noqa: F811
+    cwd = tmp_path_factory.mktemp("one")
+    train(cwd, cache, *STEPS, "--batch_size", 16)
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory, cache):  # noqa: F811
+    cwd = tmp_path_factory.mktemp("accum")
+    train(cwd, cache, *STEPS, *ACCUM, nproc=2)
+    return cwd
+
+
+# ---- accumulation under FSDP: gradients reduce-scattered every micro-batch -----------------------------
+def test_fsdp_accumulation_keeps_gradients_sharded_and_equals_one_process(accum, one):
+    whole = memory_records(one)[0]
+    ranks = memory_records(accum)
+    assert len(ranks) == 2
+    # counted after every micro-batch's backward: each process holds the gradients of its shards only,
+    # the two halves of the model's
+    assert [m["grads_bytes"] for m in ranks] == [m["params_bytes"] for m in ranks], ranks
+    assert sum(m["grads_bytes"] for m in ranks) == whole["grads_bytes"] == whole["params_bytes"], ranks
+    assert_same_state(saved(accum), saved(one), 1e-5)
+
+
+# ---- activation checkpointing: the same run, fewer activations kept -------------------------------------
+def saved_activation_bytes(mode, every=2):
+    """Bytes autograd keeps for backward in one forward of a small GPT with --ac mode."""
+    model_mod, ac = import_gpt_module("model"), import_gpt_module("ac")
+    cfg = model_mod.GPTConfig(vocab_size=16, block_size=32, n_layer=4, n_head=2, n_embd=32)
+    model = model_mod.GPT(cfg)
+    model.init_weights(seed=0)
+    ac.apply_ac(model, mode, every)
+    weights, kept = {p.data_ptr() for p in model.parameters()}, {}
+
+    def pack(tensor):  # the weights (or views of them) saved for backward are not activations
+        if tensor.data_ptr() not in weights:
+            kept[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    idx = torch.randint(16, (4, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    return sum(kept.values())
+
+
+def test_ac_keeps_fewer_activations_for_backward():
+    none, every2, full = (saved_activation_bytes(m) for m in ("none", "selective", "full"))
+    print(f"activations kept for backward: none {none}, selective every 2: {every2}, full {full}")
+    assert full < every2 < none
+    assert saved_activation_bytes("selective", every=1) == full
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "nproc"),
+    [
+        ("fsdp x accumulation, full", [*ACCUM, "--ac", "full"], 2),
+        ("one process, selective", ["--batch_size", 16, "--ac", "selective", "--ac_every", 2], None),
+    ],
+)
+def test_ac_equals_ac_none(tmp_path, cache, accum, one, name, args, nproc):  # noqa: F811
+    train(tmp_path, cache, *STEPS, *args, nproc=nproc)
+    assert_same_state(saved(tmp_path), saved(accum if nproc else one), 1e-6)
+
+
+def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):  # noqa: F811
+    args = [*STEPS, "--parallel", "pp", "--batch_size", 16, "--pp_microbatches", 4, "--dropout", 0.1]
+    (tmp_path / "none").mkdir()
+    train(tmp_path / "none", cache, *args, nproc=2)
+    train(tmp_path, cache, *args, "--ac", "full", nproc=2)
+    assert_same_state(saved(tmp_path), saved(tmp_path / "none"), 1e-6)
+
+
+def test_ac_under_compile_trains_as_the_eager_run_without(tmp_path, cache, one):  # noqa: F811
+    # compiled, the kernels fuse otherwise than eager ones: float rounding apart, as test_gpt.py's
+    # compiled run without --ac
+    train(tmp_path, cache, *STEPS, "--batch_size", 16, "--compile", "--ac", "full")
+    assert_same_state(saved(tmp_path), saved(one), 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ac", "full", "--ac_every", "2"], "--ac_every is for --ac selective (this run: --ac full)"),
+        (["--ac", "selective", "--ac_every", "0"], "--ac_every must be positive, got 0"),
+        (["--ac", "some"], "argument --ac: invalid choice: 'some'"),
+    ],
+)
+def test_bad_ac_options_get_an_argparse_error(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        import_gpt_module("config").parse_args(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- pp x FSDP and initialisation, on 4 processes, without the trainer ---------------------------------
+PROBE = """
+import os, sys, weakref
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import config, model as model_mod, parallel
+from model import GPT, GPTConfig
+
+kind = sys.argv[2]
+dist.init_process_group("gloo")
+if kind == "pp":  # one block per stage, 4 micro-batches
+    layout = config.Layout(pp=2, dp_shard=2)
+    cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
+else:  # FSDP over tp's shards: a matrix split twice along its rows (_StridedShard)
+    layout = config.Layout(dp_shard=2, tp=2)
+    cfg = GPTConfig(vocab_size=10, block_size=16, n_layer=2, n_head=2, n_embd=18)
+args = SimpleNamespace(
+    seed=0, compile=False, comm_hook=None, ac="none", ac_every=2, pp_schedule="1f1b", pp_microbatches=4
+)
+made, alive = [], []
+initial_value = model_mod.initial_value
+
+
+def spy(*args, **kwargs):  # how many whole values are still alive when the next is made
+    alive.append(sum(ref() is not None for ref in made))
+    value = initial_value(*args, **kwargs)
+    made.append(weakref.ref(value))
+    return value
+
+
+parallel.initial_value = spy
+with torch.device("meta"):
+    model = GPT(cfg)
+run = parallel.parallelize(model, layout, args, torch.device("cpu"))
+if kind == "pp":
+    if model.dropout is not None:
+        model.dropout.p = 0.0  # the first stage's embedding dropout would shift its stream
+    masks, gathers = [], []
+    for block in model.blocks.values():
+        block.mlp.dropout.register_forward_hook(lambda m, i, out: masks.append((out == 0).float()))
+    all_gather = dist.all_gather_single  # looked up by FSDP at each call
+
+    def counting(*args, **kwargs):
+        gathers.append(1)
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    torch.manual_seed(1)  # one stream on every process of the share, as the trainer seeds them
+    x = torch.randint(8, (8, 16))
+    run.step(x, x, lambda loss: loss.backward())  # the first step also infers the stages' shapes
+    masks.clear()
+    gathers.clear()
+    run.step(x, x, lambda loss: loss.backward())
+    count = torch.tensor([len(gathers)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    mine = torch.cat([m.flatten() for m in masks])
+    every = [torch.empty_like(mine) for _ in range(4)]
+    dist.all_gather(every, mine)
+    # ranks 0 and 2: the first and the second stage of one data-parallel share
+    result = ("alike" if every[0].equal(every[2]) else "distinct") + f" all-gathers {count.item()}"
+else:
+    ok = max(alive) == 0
+    for name, p in model.named_parameters():
+        ok &= (p.full_tensor() if hasattr(p, "full_tensor") else p).equal(initial_value(name, p.shape, cfg, 0))
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    result = ("equal" if flag.item() else "different") + f", at most {max(alive)} other whole value alive"
+if dist.get_rank() == 0:
+    print("RESULT", result, flush=True)
+dist.barrier()
+os._exit(0)  # as train.py ends: FSDP still holds the group, whose threads could abort a normal shutdown
+"""
+
+
+def probe(tmp_path, kind):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node=4", script, EXAMPLES / "gpt", kind], timeout=180)
+    return next((line for line in proc.stdout.splitlines() if line.startswith("RESULT")), proc.stdout[-2000:])
+
+
+def test_pp_x_fsdp_gathers_each_block_once_a_step_and_each_stage_draws_its_own_dropout(tmp_path):
+    # each stage holds two FSDP units (its block, and the root's embedding or final norm and head): one
+    # all-gather each per step, whatever the micro-batches (10 with resharding after every forward)
+    assert probe(tmp_path, "pp") == "RESULT distinct all-gathers 2"
+
+
+def test_initial_values_are_cut_on_the_cpu_one_whole_parameter_at_a_time_and_equal_one_process(tmp_path):
+    assert probe(tmp_path, "init") == "RESULT equal, at most 0 other whole value alive"
