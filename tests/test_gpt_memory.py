@@ -14,7 +14,18 @@ from test_gpt import cache, max_diff, saved, train
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
 
 # global batch 16 in every run: 1 x 16, 2 processes x 2 sequences x 4 micro-batches, ...
-STEPS = ["--max_steps", 6, "--save_every", 6, "--eval_every", 6, "--grad_clip", 0, "--metrics_path", "m.jsonl"]
+STEPS = [
+    "--max_steps",
+    6,
+    "--save_every",
+    6,
+    "--eval_every",
+    6,
+    "--grad_clip",
+    0,
+    "--metrics_path",
+    "m.jsonl",
+]
 ACCUM = ["--parallel", "fsdp", "--batch_size", 2, "--grad_accum", 4]
 
 
@@ -35,14 +46,14 @@ def memory_records(folder):
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, cache):  # noqa: F811
+def one(tmp_path_factory, cache):
     cwd = tmp_path_factory.mktemp("one")
     train(cwd, cache, *STEPS, "--batch_size", 16)
     return cwd
 
 
 @pytest.fixture(scope="module")
-def accum(tmp_path_factory, cache):  # noqa: F811
+def accum(tmp_path_factory, cache):
     cwd = tmp_path_factory.mktemp("accum")
     train(cwd, cache, *STEPS, *ACCUM, nproc=2)
     return cwd
@@ -77,7 +88,7 @@ def saved_activation_bytes(mode, every=2):
 
     idx = torch.randint(16, (4, 32))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _, loss = model(idx, idx)
+        model(idx, idx)[1]
     return sum(kept.values())
 
 
@@ -95,12 +106,12 @@ def test_ac_keeps_fewer_activations_for_backward():
         ("one process, selective", ["--batch_size", 16, "--ac", "selective", "--ac_every", 2], None),
     ],
 )
-def test_ac_equals_ac_none(tmp_path, cache, accum, one, name, args, nproc):  # noqa: F811
+def test_ac_equals_ac_none(tmp_path, cache, accum, one, name, args, nproc):
     train(tmp_path, cache, *STEPS, *args, nproc=nproc)
     assert_same_state(saved(tmp_path), saved(accum if nproc else one), 1e-6)
 
 
-def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):  # noqa: F811
+def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):
     args = [*STEPS, "--parallel", "pp", "--batch_size", 16, "--pp_microbatches", 4, "--dropout", 0.1]
     (tmp_path / "none").mkdir()
     train(tmp_path / "none", cache, *args, nproc=2)
@@ -108,7 +119,7 @@ def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):  #
     assert_same_state(saved(tmp_path), saved(tmp_path / "none"), 1e-6)
 
 
-def test_ac_under_compile_trains_as_the_eager_run_without(tmp_path, cache, one):  # noqa: F811
+def test_ac_under_compile_trains_as_the_eager_run_without(tmp_path, cache, one):
     # compiled, the kernels fuse otherwise than eager ones: float rounding apart, as test_gpt.py's
     # compiled run without --ac
     train(tmp_path, cache, *STEPS, "--batch_size", 16, "--compile", "--ac", "full")
@@ -194,7 +205,8 @@ if kind == "pp":
 else:
     ok = max(alive) == 0
     for name, p in model.named_parameters():
-        ok &= (p.full_tensor() if hasattr(p, "full_tensor") else p).equal(initial_value(name, p.shape, cfg, 0))
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        ok &= whole.equal(initial_value(name, p.shape, cfg, 0))
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     result = ("equal" if flag.item() else "different") + f", at most {max(alive)} other whole value alive"

@@ -3,13 +3,14 @@
     python tools/memory.py                                   # every layout on 4 processes, a few steps each
     python tools/memory.py --ranks 2 --strategies ddp fsdp --steps 3 -- --n_layer 2   # after --: train.py's
 
-The layouts: each --parallel strategy (all processes along one mesh dimension) and, on 4 processes, the
-2-D ones (LAYOUTS). Each trains for --steps steps on --ranks CPU processes (on a machine with GPUs, one
-per GPU, 4 of them where there are more), and every rank reports the bytes of its parameters, gradients
-and optimizer state (its local shards where a strategy shards them) and its peak memory: peak RSS on CPUs,
-which includes torch itself and the corpus, or the CUDA allocator's peak on GPUs. Prints the table, and
-writes memory.json, memory.md and memory.png (with matplotlib) under --out. A strategy that fails is
-reported with the last line it printed; the exit status is then 1.
+The layouts: each --parallel strategy (all processes along one mesh dimension), fsdp with 4 micro-batches
+a step (ACCUMULATION: its gradients are counted after every micro-batch's backward, where they peak) and,
+on 4 processes, the 2-D ones (LAYOUTS). Each trains for --steps steps on --ranks CPU processes (on a
+machine with GPUs, one per GPU, 4 of them where there are more), and every rank reports the bytes of
+its parameters, gradients and optimizer state (its local shards where a strategy shards them) and its
+peak memory: peak RSS on CPUs, which includes torch itself and the corpus, or the CUDA allocator's peak on
+GPUs. Prints the table, and writes memory.json, memory.md and memory.png (with matplotlib) under --out. A
+strategy that fails is reported with the last line it printed; the exit status is then 1.
 """
 
 import argparse
@@ -29,6 +30,10 @@ THEORY = {
     "ddp": ((1, 1, 1), "every rank holds everything"),
     "zero": ((1, 1, "1/N"), "optimizer state about 1/N (split by whole tensors)"),
     "fsdp": (("1/N", "1/N", "1/N"), "params, grads and optimizer state about 1/N"),
+    "fsdp, grad_accum 4": (
+        ("1/N", "1/N", "1/N"),
+        "as fsdp: every micro-batch's gradients reduce-scattered, never whole",
+    ),
     "tp": (None, "the split linears 1/N, the rest whole"),
     "pp": (None, "the layers of one stage"),
     "hsdp": ((0.5, 0.5, 0.5), "everything 1/2: sharded over dp_shard 2, replicated over dp_replicate 2"),
@@ -36,6 +41,8 @@ THEORY = {
     "pp x fsdp": (None, "one stage's layers, 1/2 of them"),
     "pp x ddp": (None, "one stage's layers, whole"),
 }
+# Accumulation, on any number of processes: the gradients between micro-batches.
+ACCUMULATION = {"fsdp, grad_accum 4": ["--parallel", "fsdp", "--grad_accum", 4]}
 # Layouts of two dimensions, for 4 processes: train.py's options for each.
 LAYOUTS = {
     "hsdp": ["--dp_replicate", 2, "--dp_shard", 2],
@@ -46,9 +53,10 @@ LAYOUTS = {
 
 
 def layouts(ranks):
-    """{name: train.py's options}: every --parallel strategy, and the 2-D layouts when ranks is 4."""
+    """{name: train.py's options}: every --parallel strategy, fsdp with accumulation, and the 2-D layouts
+    when ranks is 4."""
     one_d = {strategy: ["--parallel", strategy] for strategy in strategies()}
-    return one_d | (LAYOUTS if ranks == 4 else {})
+    return one_d | ACCUMULATION | (LAYOUTS if ranks == 4 else {})
 
 
 def theory(strategy, ranks):
@@ -62,7 +70,7 @@ def theory(strategy, ranks):
 def measure(name, options, ranks, cpu, args, train_args, work):
     """Every rank's memory record, in rank order."""
     records, _ = run_training(
-        name.replace(" ", ""), ranks, 1, [*options, *train_args], work, steps=args.steps,
+        "".join(c for c in name if c.isalnum()), ranks, 1, [*options, *train_args], work, steps=args.steps,
         cache_dir=args.cache_dir, limit=args.limit, cpu=cpu,
     )  # fmt: skip
     memory = sorted((r for r in records if "memory" in r), key=lambda r: r["rank"])
@@ -132,7 +140,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--strategies", nargs="+", metavar="NAME",
-        help="a subset of the layouts: train.py's --parallel choices and, on 4 ranks, " + ", ".join(LAYOUTS),
+        help="a subset of the layouts: train.py's --parallel choices, "
+        + ", ".join(f"'{name}'" for name in ACCUMULATION)
+        + " and, on 4 ranks, "
+        + ", ".join(LAYOUTS),
     )  # fmt: skip
     p.add_argument(
         "--ranks", type=int, default=4, help="processes on CPUs (4); on GPUs, 4 or as many as there are"
