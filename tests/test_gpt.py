@@ -5,6 +5,7 @@ SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes kee
 import argparse
 import http.server
 import json
+import math
 import os
 import pickle
 import re
@@ -250,7 +251,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
     finally:
         agent.kill()
     assert agent.returncode == 0, out[-4000:]
-    assert re.search(r"resuming from gpt_snapshot at step (1\d|20)$", out, re.M), out[-4000:]
+    assert re.search(r"resuming from gpt_snapshot at step (1\d|20) \(step-", out), out[-4000:]
     resumed = saved(tmp_path)
     assert resumed["step"] == 60
     assert_identical(saved(ddp2[0])["model"], resumed["model"])
@@ -428,16 +429,31 @@ def test_an_existing_snapshot_folder_must_itself_be_writable(tmp_path, monkeypat
     assert config.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
 
 
-def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, cache):
+def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_path, cache):
     train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
-    before = files(tmp_path / "gpt_snapshot")
-    # from step 10 on, an lr of 1e30: the weights overflow within a step or two
-    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 5, "--lr", 1e30, check=False)
+    # from step 10 on, an lr of 1e30, a snapshot due after every step: step 11's update gives weights of
+    # about 1e29, finite, whose loss at step 12 is not; the snapshot of step 11 must never be written
+    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 1, "--lr", 1e30, check=False)
     assert proc.returncode == 1, proc.stdout[-2000:]
-    assert re.search(r"error: the loss became (nan|inf) by step 1[1-5] ", proc.stdout), proc.stdout[-2000:]
-    assert "gpt_snapshot still holds the last good snapshot" in proc.stdout
-    assert "Traceback" not in proc.stdout and "saved gpt_snapshot at step 15" not in proc.stdout
-    assert files(tmp_path / "gpt_snapshot") == before
+    stopped = r"error: the loss became (nan|inf) at step (1[1-5]), before its update: training stopped, "
+    match = re.search(stopped + r"the newest snapshot is gpt_snapshot/step-000000(\d\d)-", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout
+    newest = saved(tmp_path)
+    assert newest["step"] == int(match[3]) < int(match[2])
+    tensors = [*newest["model"].values()]
+    tensors += [t for state in newest["optimizer"]["state"].values() for t in state.values()]
+    assert all(t.isfinite().all() for t in tensors)
+    assert max(t.abs().max().item() for t in newest["model"].values()) < 100
+    # the default --keep 2: the two newest step directories
+    assert len([d for d in (tmp_path / "gpt_snapshot").iterdir() if d.is_dir()]) == min(2, newest["step"] - 9)
+    resumed = train(tmp_path, cache, "--max_steps", newest["step"] + 5, "--metrics_path", "m.jsonl")
+    assert f"resuming from gpt_snapshot at step {newest['step']} (step-" in resumed.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    losses = [r for r in records if "grad_norm" in r]
+    assert losses and all(math.isfinite(r["loss"]) and 0 < r["grad_norm"] < 100 for r in losses), records
+    val_losses = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val_losses[-1] < 4.5, records  # as before the lr of 1e30 (val loss 3.9 at step 10)
 
 
 def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):

@@ -17,6 +17,7 @@ import sys
 
 import checkpoint
 import data
+import guards
 import torch
 import torch.distributed as dist
 from config import parse_args
@@ -49,7 +50,8 @@ def main():
     leads = rank == args.layout.leader  # the process that speaks for all
     if snapshot is not None and leads:
         source = args.snapshot_path if "shards" in snapshot else args.init_from
-        print(f"resuming from {source} at step {snapshot['step']}", flush=True)
+        taken = f" ({os.path.basename(snapshot['shards'])})" if "shards" in snapshot else ""
+        print(f"resuming from {source} at step {snapshot['step']}{taken}", flush=True)
     if snapshot is not None and snapshot["step"] >= args.max_steps:
         if leads:
             print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
@@ -61,6 +63,14 @@ def main():
             trainer.train()
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
             sys.exit(f"error: {exc}")
+        except guards.Diverged as exc:  # every process decided it from the same all-reduced numbers
+            newest = checkpoint.latest(args.snapshot_path) if os.path.isdir(args.snapshot_path) else None
+            kept = f"the newest snapshot is {newest}" if newest else "nothing was saved"
+            if leads:
+                print(f"error: {exc}, before its update: training stopped, {kept}. Lower --lr, or raise "
+                      "--warmup_steps, or pass --skip_nonfinite N", file=sys.stderr, flush=True)  # fmt: skip
+            sys.stdout.flush()
+            os._exit(1)
         except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
             if "timed out" not in str(exc).lower():
                 raise
