@@ -12,6 +12,7 @@ from conftest import TORCHRUN, run
 from test_gpt import (  # noqa: F401  (cache: a fixture)
     TRAIN,
     VAL_RE,
+    assert_close,
     assert_identical,
     assert_stopped_and_resumed_ends_bit_identical,
     cache,
@@ -23,7 +24,9 @@ from test_gpt import (  # noqa: F401  (cache: a fixture)
 from test_gpt_sharding import CRASH
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
+# --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
+RUN += ["--grad_clip", 0]
 REPLICAS_RE = re.compile(r"^replicas identical: (\d+) copies compared across ranks$", re.M)
 
 
@@ -43,11 +46,7 @@ def assert_matches_one_process(cwd, out, one):
     diff = max_diff(mine["model"], ref["model"])
     print(f"max parameter difference from one process after 40 steps: {diff:.3g}")
     assert diff < 1e-4
-    # the optimizer state as one process holds it, whoever held which part
-    assert mine["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
-    assert mine["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
-    for name, state in ref["optimizer"]["state"].items():
-        assert max_diff(mine["optimizer"]["state"][name], state) < 1e-4, name
+    assert_close(mine, ref)  # and the optimizer state as one process holds it, whoever held which part
     val = {int(s): float(v) for s, v in VAL_RE.findall(out)}
     ref_val = {int(s): float(v) for s, v in VAL_RE.findall(one[1])}
     assert 40 in val and all(abs(val[s] - ref_val[s]) < 1e-3 for s in val), (val, ref_val)

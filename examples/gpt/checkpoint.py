@@ -257,10 +257,11 @@ def write(path, name, state, extra, distributed, leader=0, keep=1):
     fsync_dir(target)
     atomic_write(path / POINTER, lambda f: f.write(f"{name}\n".encode()))
     fsync_dir(path)
-    steps = sorted(d for d in path.iterdir() if d.is_dir() and not d.is_symlink() and STEP_DIR.match(d.name))
-    for old in steps[: max(0, len(steps) - keep)]:
-        if old.name != name:
-            shutil.rmtree(old)
+    # the keep - 1 newest others that were completed (extra.pt is written last) stay beside this one
+    others = [d for d in path.iterdir() if STEP_DIR.match(d.name) and d.is_dir() and not d.is_symlink()]
+    complete = sorted(d for d in others if d.name != name and (d / "extra.pt").is_file())
+    for old in set(others) - {target, *complete[max(0, len(complete) - keep + 1) :]}:
+        shutil.rmtree(old)
 
 
 def latest(path):
