@@ -126,9 +126,8 @@ def single(tmp_path_factory, cache):
 
 def test_ddp_on_2_ranks_equals_one_process_with_the_same_global_batch(ddp2, single):
     ddp, one = saved(ddp2[0]), saved(single[0])
-    print(
-        f"DDP on 2 vs one process, 60 steps: max parameter difference {max_diff(ddp['model'], one['model']):.3g}"
-    )
+    diff = max_diff(ddp["model"], one["model"])
+    print(f"DDP on 2 vs one process, 60 steps: max parameter difference {diff:.3g}")
     assert_close(ddp, one)
     assert "replicas identical: 2 copies" in ddp2[1], ddp2[1][-2000:]
 
