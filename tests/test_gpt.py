@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import random
 import re
 import signal
 import socket
@@ -274,6 +275,46 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
     assert_identical(uninterrupted["model"], resumed["model"])
     for name, state in uninterrupted["optimizer"]["state"].items():
         assert_identical(state, resumed["optimizer"]["state"][name])
+
+
+# torchrun forwards SIGTERM (Slurm's scancel or --signal, a Kubernetes eviction) to its workers
+PREEMPTED = [*TINY, "--max_steps", 200, "--save_every", 1000, "--batch_size", 8, "--dropout", 0.1]
+PREEMPTED += ["--log_every", 1, "--sample_chars", 0, "--metrics_path", "m.jsonl"]
+
+
+def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
+    (tmp_path / "full").mkdir()
+    train(tmp_path / "full", cache, *PREEMPTED, nproc=2)
+    full = saved(tmp_path / "full")
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, "--cache_dir", cache, *PREEMPTED]
+    rng = random.Random(29)
+    for trial in range(5):  # a random moment in each: within a step, its checks, a log line, an evaluation
+        cwd = tmp_path / f"trial{trial}"
+        cwd.mkdir()
+        agent = start_torchrun_agent(cmd, cwd, env={"OMP_NUM_THREADS": "1"})
+        try:
+            deadline = time.monotonic() + 300
+            while not (cwd / "m.jsonl").exists():
+                assert agent.poll() is None and time.monotonic() < deadline, "no step within 300 s"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 1.5))
+            agent.send_signal(signal.SIGTERM)  # to torchrun alone, as Kubernetes and Slurm send it
+            start = time.monotonic()
+            out, _ = agent.communicate(timeout=60)
+            seconds = time.monotonic() - start
+        finally:
+            agent.kill()
+        stopped = re.search(r"^stopped by SIGTERM before step (\d+); the same command resumes$", out, re.M)
+        assert stopped, out[-3000:]
+        step = int(stopped[1]) - 1
+        print(f"trial {trial}: SIGTERM at step {step}, saved and exited in {seconds:.2f} s")
+        assert saved(cwd)["step"] == step and "Traceback" not in out, out[-3000:]
+        proc = train(cwd, cache, *PREEMPTED, nproc=2)
+        assert f"resuming from gpt_snapshot at step {step} (step-" in proc.stdout, proc.stdout[-2000:]
+        resumed = saved(cwd)
+        assert_identical(full["model"], resumed["model"])
+        for name, state in full["optimizer"]["state"].items():
+            assert_identical(state, resumed["optimizer"]["state"][name])
 
 
 class RunsCode:

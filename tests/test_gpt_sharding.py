@@ -52,7 +52,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 RESUME = """
 import os, sys
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import checkpoint, data
+import checkpoint, data, preempt
 from config import parse_args
 from trainer import Trainer, setup_processes, snapshot_config
 sys.argv = sys.argv[1:]
@@ -62,9 +62,9 @@ snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
 rank, world, device = setup_processes()
 trainer = Trainer(args, corpus, snapshot, rank, world, device)
 path, args.snapshot_path = args.snapshot_path, "resaved"
-trainer.save()
+trainer.save(trainer.rng_state())
 args.snapshot_path = path
-trainer.train()
+trainer.train(preempt.StopRequest())
 sys.stdout.flush()
 os._exit(0)  # as train.py ends: the group's gloo threads, still held, could abort a normal shutdown
 """

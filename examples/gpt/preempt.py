@@ -7,13 +7,14 @@ import signal
 
 
 class StopRequest:
-    def __init__(self, signals=(signal.SIGTERM,)):
-        self.signal = None
-        for sig in signals:
-            signal.signal(sig, self._note)
+    """True once this process got SIGTERM."""
+
+    def __init__(self):
+        self.asked = False
+        signal.signal(signal.SIGTERM, self._note)
 
     def _note(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        self.asked = True
 
     def __bool__(self):
-        return self.signal is not None
+        return self.asked

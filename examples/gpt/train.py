@@ -18,6 +18,7 @@ import sys
 import checkpoint
 import data
 import guards
+import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
@@ -42,6 +43,7 @@ def main():
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus[1]))
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
+    stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
     rank, world, device = setup_processes(args.dist_timeout)
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
@@ -60,7 +62,7 @@ def main():
         try:
             trainer = Trainer(args, corpus, snapshot, rank, world, device)
             del snapshot  # a single file's tensors (--init_from): written as the run's first snapshot
-            trainer.train()
+            trainer.train(stop)
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
             sys.exit(f"error: {exc}")
         except guards.Diverged as exc:  # every process decided it from the same all-reduced numbers

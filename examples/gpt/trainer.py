@@ -13,7 +13,6 @@ import checkpoint
 import data
 import guards
 import parallel
-import preempt
 import torch
 import torch.distributed as dist
 from config import MODEL_KEYS, resolve_dtype
@@ -255,10 +254,12 @@ class Trainer:
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(fields) + "\n")
 
-    def train(self):
-        """Steps until --max_steps, or until SIGTERM (then False). A snapshot due after step s is written
-        only once step s + 1's loss shows its weights sound, before that step's update: no snapshot holds
-        weights that gave a non-finite loss. The last one is checked by the final validation loss."""
+    def train(self, stop):
+        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then the
+        state at the start of the step under way is saved and False returned. A snapshot due after step s
+        is written only once step s + 1's loss shows its weights sound, before that step's update: no
+        snapshot holds weights that gave a non-finite loss. The last one is checked by the final
+        validation loss."""
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
@@ -268,7 +269,7 @@ class Trainer:
             f"{a.block_size} tokens"
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
-        meter, stop = MemoryMeter(self.raw, self.optimizer), preempt.StopRequest()
+        meter = MemoryMeter(self.raw, self.optimizer)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
             rng = self.rng_state()  # what a snapshot taken before this step's update must hold
@@ -277,8 +278,7 @@ class Trainer:
                 clock += self.save(rng)
                 due = False
             if stopping and loss_ok:
-                self.log(f"stopped by {stop.signal or 'a signal to another process'} before step "
-                         f"{self.step + 1}; the same command resumes")  # fmt: skip
+                self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
                 return False
             self.update(loss, norm, loss_ok, norm_ok)
             losses += [loss] if loss_ok else []
