@@ -52,9 +52,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 RESUME = """
 import os, sys
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import checkpoint, data, preempt
+import checkpoint, data, preempt, snapshots
 from config import parse_args
-from trainer import Trainer, setup_processes, snapshot_config
+from snapshots import snapshot_config
+from trainer import Trainer, setup_processes
 sys.argv = sys.argv[1:]
 parser, args = parse_args()
 corpus = data.load_corpus(args.data, args.cache_dir, args.timeout)
@@ -62,7 +63,7 @@ snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
 rank, world, device = setup_processes()
 trainer = Trainer(args, corpus, snapshot, rank, world, device)
 path, args.snapshot_path = args.snapshot_path, "resaved"
-trainer.save(trainer.rng_state())
+snapshots.save(trainer, snapshots.rng_state(device))
 args.snapshot_path = path
 trainer.train(preempt.StopRequest())
 sys.stdout.flush()

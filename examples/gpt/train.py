@@ -22,7 +22,8 @@ import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from trainer import Trainer, all_ranks, setup_processes, snapshot_config
+from snapshots import all_ranks, snapshot_config
+from trainer import Trainer, setup_processes
 
 
 def main():

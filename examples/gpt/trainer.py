@@ -1,26 +1,23 @@
 """The training loop: processes, precision, the step with accumulation, evaluation, snapshots. How the model
 is split over the processes is parallel.py's business: the trainer sees a Parallel whatever the layout."""
 
-import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict
 from datetime import timedelta
 
-import checkpoint
 import data
 import guards
 import parallel
+import snapshots
 import torch
 import torch.distributed as dist
-from config import MODEL_KEYS, resolve_dtype
+from config import resolve_dtype
 from memory import MemoryMeter
-from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
+from model import GPT, flops_per_token, optimizer_groups, parameter_count
+from snapshots import all_ranks, model_config
 
-# The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
-SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [
     ("H100 PCIe", 756e12),
@@ -60,15 +57,6 @@ def peak_flops(args, device):
     return None
 
 
-def all_ranks(obj):
-    """obj from every process, in rank order."""
-    if not dist.is_initialized():
-        return [obj]
-    objs = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs
-
-
 class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -95,76 +83,13 @@ class Trainer:
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
-            self.restore(snapshot)
+            snapshots.restore(self, snapshot)
         self.peak = peak_flops(args, device)
 
-    # ---- snapshots -----------------------------------------------------------------------------------
-    def extra_state(self, rng):
-        """Everything a resumed run needs besides the weights and the optimizer state (which every process
-        writes in parts): the data position is the step itself. A collective (the random states)."""
-        rng = all_ranks(rng)
-        return {
-            "config": snapshot_config(self.args, self.vocab),
-            "vocab": self.vocab,
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "seed": self.args.seed,
-            "global_batch": self.global_batch,
-            "schedule": {key: getattr(self.args, key) for key in SCHEDULE_KEYS},
-            "rng": rng,  # one entry per process
-            "layout": self.layout.as_dict(),  # whose processes drew those streams
-        }
-
-    def rng_state(self):
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-    def restore(self, snapshot):
-        optimizer = parallel.local_optimizer(self.optimizer)
-        if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot
-            snapshot["shards"] = checkpoint.import_file(self.args.snapshot_path, snapshot, self.layout.leader)
-        checkpoint.load_shards(snapshot["shards"], self.raw, optimizer)  # each process reads its own parts
-        self.scaler.load_state_dict(snapshot["scaler"])
-        self.step = int(snapshot["step"])
-        rng = snapshot["rng"]
-        # same processes and layout: each continues its own dropout stream
-        if (len(rng), snapshot.get("layout")) == (self.world, self.layout.as_dict()):
-            torch.set_rng_state(rng[self.rank]["cpu"])
-            if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
-        else:
-            torch.manual_seed(self.args.seed + 1 + self.dp_rank + self.step * self.dp_world)
-        self.compare_schedule(snapshot.get("schedule", {}))
-        if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
-            self.log(
-                f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
-                f"{snapshot['global_batch']}; this run has {self.args.seed} and {self.global_batch}"
-            )
-
-    def compare_schedule(self, before):
-        """Say what this run changes from the snapshot's. The cosine keeps its end (decay_steps) unless
-        --decay_steps is given: raising --max_steps then goes on at min_lr instead of reshaping it."""
-        a = self.args
-        if "decay_steps" in before and not a.decay_given:
-            a.decay_steps = before["decay_steps"]
-        changed = [
-            f"{key} {before[key]:g} -> {getattr(a, key):g}"
-            for key in before
-            if before[key] != getattr(a, key)
-        ]
-        if changed:
-            self.log(
-                f"note: changed since the snapshot: {', '.join(changed)}. The cosine ends at step "
-                f"{a.decay_steps} (--decay_steps moves it); AdamW's weight decay and betas stay as saved"
-            )
-
     def save(self, rng):
-        """A collective: every process writes its parts, the leader the rest (checkpoint.save), with the
-        random states `rng` taken at the start of step self.step. Returns the seconds it took."""
-        start, optimizer = time.perf_counter(), parallel.local_optimizer(self.optimizer)
-        extra = self.extra_state(rng)
-        path, leader = self.args.snapshot_path, self.layout.leader
-        checkpoint.save(path, self.raw, optimizer, extra, leader, self.args.keep)
+        """A collective: snapshots.save. Returns the seconds it took."""
+        start = time.perf_counter()
+        snapshots.save(self, rng)
         self.log(f"saved {self.args.snapshot_path} at step {self.step}")
         return time.perf_counter() - start
 
@@ -272,7 +197,9 @@ class Trainer:
         meter = MemoryMeter(self.raw, self.optimizer)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
-            rng = self.rng_state()  # what a snapshot taken before this step's update must hold
+            rng = snapshots.rng_state(
+                self.device
+            )  # what a snapshot taken before this step's update must hold
             loss, norm, loss_ok, norm_ok, stopping = self.train_step(bool(stop))
             if loss_ok and (due or stopping):
                 clock += self.save(rng)
@@ -296,7 +223,7 @@ class Trainer:
                 if last and not math.isfinite(val_loss):
                     raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
             if last:
-                self.save(self.rng_state())
+                self.save(snapshots.rng_state(self.device))
             due = due or self.step % a.save_every == 0
             clock += time.perf_counter() - paused
             if steps == 0:
@@ -358,16 +285,3 @@ class Trainer:
             out = self.parallel.generate(idx, count, top_k=40, generator=gen)
         self.parallel.train(True)
         return data.decode(out[0, 1:].tolist(), self.vocab)
-
-
-def model_config(args, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
-
-
-def snapshot_config(args, vocab):
-    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
-    cfg = asdict(model_config(args, len(vocab)))
-    del cfg["dropout"]  # may change between runs
-    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
-    cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
-    return cfg
