@@ -5,8 +5,10 @@ SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes kee
 import argparse
 import http.server
 import json
+import math
 import os
 import pickle
+import random
 import re
 import signal
 import socket
@@ -65,6 +67,22 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_close(mine, ref, tolerance=1e-4):
+    """Two runs' saved states (saved()) equal within float summation order, amplified by AdamW: the weights
+    and the optimizer state, whose moments see a gradient off by a constant factor that the weights do
+    not (AdamW divides it out), where every step is unclipped (--grad_clip 0)."""
+    assert mine["model"].keys() == ref["model"].keys()
+    diff = max_diff(mine["model"], ref["model"])
+    assert diff < tolerance, f"parameters {diff:.3g} apart"
+    assert mine["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+    assert mine["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+    for name, state in ref["optimizer"]["state"].items():
+        for key, value in state.items():  # relative to the size of each moment: exp_avg_sq is about 1e-6
+            scale = max(value.abs().max().item(), 1e-12)
+            diff = (mine["optimizer"]["state"][name][key] - value).abs().max().item() / scale
+            assert diff < tolerance * 10, f"optimizer state {name}.{key}: {diff:.3g} apart, relatively"
+
+
 def assert_identical(a, b):
     assert a.keys() == b.keys()
     for key in a:
@@ -89,7 +107,8 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
 
 
 # ---- DDP, accumulation, metrics -----------------------------------------------------------------------
-RUN = ["--max_steps", 60, "--save_every", 10, "--metrics_path", "m.jsonl"]
+# --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
+RUN = ["--max_steps", 60, "--save_every", 10, "--metrics_path", "m.jsonl", "--grad_clip", 0]
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +126,10 @@ def single(tmp_path_factory, cache):
 
 
 def test_ddp_on_2_ranks_equals_one_process_with_the_same_global_batch(ddp2, single):
-    ddp = saved(ddp2[0])["model"]
-    one = saved(single[0])["model"]
-    print(f"DDP on 2 vs one process, 60 steps: max parameter difference {max_diff(ddp, one):.3g}")
-    assert max_diff(ddp, one) < 1e-4  # float summation order, amplified by Adam
+    ddp, one = saved(ddp2[0]), saved(single[0])
+    diff = max_diff(ddp["model"], one["model"])
+    print(f"DDP on 2 vs one process, 60 steps: max parameter difference {diff:.3g}")
+    assert_close(ddp, one)
     assert "replicas identical: 2 copies" in ddp2[1], ddp2[1][-2000:]
 
 
@@ -122,10 +141,10 @@ def accum(tmp_path_factory, cache):
 
 
 def test_gradient_accumulation_equals_the_larger_batch(accum, single, ddp2):
-    accum = saved(accum)["model"]
-    assert max_diff(accum, saved(single[0])["model"]) < 1e-4
+    accum = saved(accum)
+    assert_close(accum, saved(single[0]))
     # (g1 + g2) / 2 from DDP and g1 / 2 + g2 / 2 from accumulation are the same floats
-    assert_identical(accum, saved(ddp2[0])["model"])
+    assert_identical(accum["model"], saved(ddp2[0])["model"])
 
 
 def test_loss_falls_well_below_the_unigram_entropy_of_the_default_corpus(tmp_path, cache):
@@ -250,10 +269,52 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
     finally:
         agent.kill()
     assert agent.returncode == 0, out[-4000:]
-    assert re.search(r"resuming from gpt_snapshot at step (1\d|20)$", out, re.M), out[-4000:]
-    resumed = saved(tmp_path)
+    assert re.search(r"resuming from gpt_snapshot at step (1\d|20) \(step-", out), out[-4000:]
+    resumed, uninterrupted = saved(tmp_path), saved(ddp2[0])
     assert resumed["step"] == 60
-    assert_identical(saved(ddp2[0])["model"], resumed["model"])
+    assert_identical(uninterrupted["model"], resumed["model"])
+    for name, state in uninterrupted["optimizer"]["state"].items():
+        assert_identical(state, resumed["optimizer"]["state"][name])
+
+
+# torchrun forwards SIGTERM (Slurm's scancel or --signal, a Kubernetes eviction) to its workers
+PREEMPTED = [*TINY, "--max_steps", 60, "--save_every", 1000, "--batch_size", 8, "--dropout", 0.1]
+PREEMPTED += ["--log_every", 1, "--sample_chars", 0, "--metrics_path", "m.jsonl"]
+
+
+def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
+    (tmp_path / "full").mkdir()
+    train(tmp_path / "full", cache, *PREEMPTED, nproc=2)
+    full = saved(tmp_path / "full")
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, "--cache_dir", cache, *PREEMPTED]
+    rng = random.Random(29)
+    for trial in range(5):  # a random moment in each: within a step, its checks, a log line, an evaluation
+        cwd = tmp_path / f"trial{trial}"
+        cwd.mkdir()
+        agent = start_torchrun_agent(cmd, cwd, env={"OMP_NUM_THREADS": "1"})
+        try:
+            deadline = time.monotonic() + 300
+            while not (cwd / "m.jsonl").exists():
+                assert agent.poll() is None and time.monotonic() < deadline, "no step within 300 s"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.5))
+            agent.send_signal(signal.SIGTERM)  # to torchrun alone, as Kubernetes and Slurm send it
+            start = time.monotonic()
+            out, _ = agent.communicate(timeout=60)
+            seconds = time.monotonic() - start
+        finally:
+            agent.kill()
+        stopped = re.search(r"^stopped by SIGTERM before step (\d+); the same command resumes$", out, re.M)
+        assert stopped, out[-3000:]
+        step = int(stopped[1]) - 1
+        print(f"trial {trial}: SIGTERM at step {step}, saved and exited in {seconds:.2f} s")
+        assert saved(cwd)["step"] == step, out[-3000:]  # (torchrun's own traceback names the signal)
+        proc = train(cwd, cache, *PREEMPTED, nproc=2)
+        assert f"resuming from gpt_snapshot at step {step} (step-" in proc.stdout, proc.stdout[-2000:]
+        resumed = saved(cwd)
+        assert_identical(full["model"], resumed["model"])
+        for name, state in full["optimizer"]["state"].items():
+            assert_identical(state, resumed["optimizer"]["state"][name])
 
 
 class RunsCode:
@@ -428,16 +489,31 @@ def test_an_existing_snapshot_folder_must_itself_be_writable(tmp_path, monkeypat
     assert config.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
 
 
-def test_a_loss_that_is_no_longer_finite_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, cache):
+def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_path, cache):
     train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
-    before = files(tmp_path / "gpt_snapshot")
-    # from step 10 on, an lr of 1e30: the weights overflow within a step or two
-    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 5, "--lr", 1e30, check=False)
+    # from step 10 on, an lr of 1e30, a snapshot due after every step: step 11's update gives weights of
+    # about 1e29, finite, whose loss at step 12 is not; the snapshot of step 11 must never be written
+    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 1, "--lr", 1e30, check=False)
     assert proc.returncode == 1, proc.stdout[-2000:]
-    assert re.search(r"error: the loss became (nan|inf) by step 1[1-5] ", proc.stdout), proc.stdout[-2000:]
-    assert "gpt_snapshot still holds the last good snapshot" in proc.stdout
-    assert "Traceback" not in proc.stdout and "saved gpt_snapshot at step 15" not in proc.stdout
-    assert files(tmp_path / "gpt_snapshot") == before
+    stopped = r"error: the loss became (nan|inf) at step (1[1-5]), before its update: training stopped, "
+    match = re.search(stopped + r"the newest snapshot is gpt_snapshot/step-000000(\d\d)-", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout
+    newest = saved(tmp_path)
+    assert newest["step"] == int(match[3]) < int(match[2])
+    tensors = [*newest["model"].values()]
+    tensors += [t for state in newest["optimizer"]["state"].values() for t in state.values()]
+    assert all(t.isfinite().all() for t in tensors)
+    assert max(t.abs().max().item() for t in newest["model"].values()) < 100
+    # the default --keep 2: the two newest step directories
+    assert len([d for d in (tmp_path / "gpt_snapshot").iterdir() if d.is_dir()]) == min(2, newest["step"] - 9)
+    resumed = train(tmp_path, cache, "--max_steps", newest["step"] + 5, "--metrics_path", "m.jsonl")
+    assert f"resuming from gpt_snapshot at step {newest['step']} (step-" in resumed.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    losses = [r for r in records if "grad_norm" in r]
+    assert losses and all(math.isfinite(r["loss"]) and 0 < r["grad_norm"] < 100 for r in losses), records
+    val_losses = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val_losses[-1] < 4.5, records  # as before the lr of 1e30 (val loss 3.9 at step 10)
 
 
 def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):

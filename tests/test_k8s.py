@@ -279,15 +279,29 @@ def test_the_job_meets_at_pod_0s_dns_name():
     assert job["spec"]["backoffLimit"] == job["spec"]["completions"] * int(env["MAX_RESTARTS"]["value"])
 
 
-def mounts(kind, obj):
-    """{mount path: volume} of the training container, volumes as the pod declares them."""
+def pod_spec(kind, obj):
     if kind == "TrainJob":
         (patch,) = obj["spec"]["runtimePatches"]
         (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-        pod = job["template"]["spec"]["template"]["spec"]
         assert job["name"] == k8s_check.NODE
-    else:
-        pod = obj["spec"]["template"]["spec"]
+        return job["template"]["spec"]["template"]["spec"]
+    return obj["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_sigterm_comes_early_enough_for_a_step_and_a_snapshot(base):
+    # the GPT trainer needs up to two steps and a save after SIGTERM (docs/fault-tolerance.md); Kubernetes'
+    # default grace period, 30 s, is short of that for a step of seconds
+    kind, obj = job_of(rendered(base))
+    grace = pod_spec(kind, obj)["terminationGracePeriodSeconds"]
+    # torchrun's own wait for its workers after it forwards SIGTERM (30 s unless set), within the grace
+    wait = int(container(kind, obj)[2]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])
+    assert 90 <= wait < grace, (wait, grace)
+
+
+def mounts(kind, obj):
+    """{mount path: volume} of the training container, volumes as the pod declares them."""
+    pod = pod_spec(kind, obj)
     (node,) = pod["containers"]
     assert node["name"] == k8s_check.NODE
     volumes = {v["name"]: v for v in pod["volumes"]}

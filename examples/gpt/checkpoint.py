@@ -29,21 +29,27 @@ class SnapshotError(Exception):
     """A snapshot this run cannot resume from; it is left as it is."""
 
 
-def save_file(path, state):
-    """torch.save into a temporary file, fsync, then rename over path: a crash leaves the old file."""
-    import torch
-
+def atomic_write(path, write):
+    """write(file) into a temporary file beside path, fsync, then rename over path: a reader, or a crash at
+    any moment, sees the old file or all of the new one. The package's one way to write a file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_file(path, state):
+    """torch.save, atomically (a crash leaves the old file)."""
+    import torch
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_file(path, expected):
@@ -208,18 +214,18 @@ def set_flat_state(model, optimizer, state):
                    options=options)  # fmt: skip
 
 
-def save(path, model, optimizer, extra, leader=0):
+def save(path, model, optimizer, extra, leader=0, keep=1):
     """A collective: every process writes its parts of the model and the optimizer into a new step
     directory; then the process of rank `leader` adds `extra`, points PATH/latest at it with one atomic
-    rename and removes older step directories. A crash at any moment leaves the previous snapshot
-    complete and pointed at."""
+    rename and removes step directories older than the `keep` newest. A crash at any moment leaves the
+    previous snapshot complete and pointed at."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized()
     name = [step_name(extra)]
     if distributed:
         dist.broadcast_object_list(name, src=leader)
-    write(path, name[0], flat_state(model, optimizer), extra, distributed, leader)
+    write(path, name[0], flat_state(model, optimizer), extra, distributed, leader, keep)
     if distributed:
         dist.barrier()
 
@@ -228,9 +234,10 @@ def step_name(extra):
     return f"step-{int(extra['step']):08d}-{time.time_ns():x}"  # never the directory `latest` names
 
 
-def write(path, name, state, extra, distributed, leader=0):
+def write(path, name, state, extra, distributed, leader=0, keep=1):
     """DCP writes `state` (flat: parameter names as keys) into PATH/name, every process its parts; then
-    the leader (or the only process) commits it: extra.pt, fsync, the pointer renamed, older steps removed."""
+    the leader (or the only process) commits it: extra.pt, fsync, the pointer renamed, step directories
+    older than the `keep` newest removed."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -248,16 +255,13 @@ def write(path, name, state, extra, distributed, leader=0):
         return
     save_file(target / "extra.pt", extra)
     fsync_dir(target)
-    tmp = path / f"{POINTER}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / POINTER)
+    atomic_write(path / POINTER, lambda f: f.write(f"{name}\n".encode()))
     fsync_dir(path)
-    for old in path.iterdir():
-        if old.is_dir() and not old.is_symlink() and STEP_DIR.match(old.name) and old.name != name:
-            shutil.rmtree(old)
+    # the keep - 1 newest others that were completed (extra.pt is written last) stay beside this one
+    others = [d for d in path.iterdir() if STEP_DIR.match(d.name) and d.is_dir() and not d.is_symlink()]
+    complete = sorted(d for d in others if d.name != name and (d / "extra.pt").is_file())
+    for old in set(others) - {target, *complete[max(0, len(complete) - keep + 1) :]}:
+        shutil.rmtree(old)
 
 
 def latest(path):

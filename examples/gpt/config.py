@@ -30,7 +30,8 @@ PRESETS = {
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 POSITIVE = (
     "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
-    "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "dist_timeout", "pp_microbatches",
+    "eval_samples", "log_every", "grad_accum", "save_every", "keep", "timeout", "dist_timeout",
+    "pp_microbatches",
 )  # fmt: skip
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
@@ -124,6 +125,10 @@ def get_parser():
     )
     group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW, on weight matrices (0.1)")
     group.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0: none (1.0)")
+    group.add_argument(
+        "--skip_nonfinite", type=int, default=0, metavar="N",
+        help="skip up to N steps whose loss or gradient norm is not finite, instead of stopping (0)",
+    )  # fmt: skip
     group.add_argument("--seed", type=int, default=1337, help="initial weights, batches, dropout (1337)")
     group = p.add_argument_group("evaluation, logging, snapshots")
     group.add_argument("--eval_every", type=int, help="validation loss every this many steps, and at the end")
@@ -140,6 +145,7 @@ def get_parser():
         "--snapshot_path holds none yet",
     )  # fmt: skip
     group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
+    group.add_argument("--keep", type=int, default=2, help="snapshots kept, the newest (2)")
     group.add_argument("--sample_chars", type=int, default=200, help="characters generated at the end (200)")
     group = p.add_argument_group("speed")
     group.add_argument(
@@ -222,6 +228,7 @@ def parse_args(argv=None):
         (args.decay_steps > 0, f"--decay_steps must be positive, got {args.decay_steps}"),
         (args.weight_decay >= 0, f"--weight_decay must be 0 or more, got {args.weight_decay}"),
         (args.grad_clip >= 0, f"--grad_clip must be 0 or more, got {args.grad_clip}"),
+        (args.skip_nonfinite >= 0, f"--skip_nonfinite must be 0 or more, got {args.skip_nonfinite}"),
         (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
         (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from checkpoint import atomic_write
 
 VAL_FRACTION = 0.1  # the last tenth of the text is held out for validation
 # folders of the standard library that are not its source: tests, and packages installed into it
@@ -77,19 +78,6 @@ def file_lock(path, timeout):
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def atomic_write(path, write):
-    """write(file) into a temporary file next to path, then rename: readers see all of it or nothing."""
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def download(url, dest, timeout):

@@ -17,10 +17,13 @@ import sys
 
 import checkpoint
 import data
+import guards
+import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from trainer import Trainer, all_ranks, setup_processes, snapshot_config
+from snapshots import all_ranks, snapshot_config
+from trainer import Trainer, setup_processes
 
 
 def main():
@@ -41,6 +44,7 @@ def main():
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus[1]))
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
+    stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
     rank, world, device = setup_processes(args.dist_timeout)
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
@@ -49,7 +53,8 @@ def main():
     leads = rank == args.layout.leader  # the process that speaks for all
     if snapshot is not None and leads:
         source = args.snapshot_path if "shards" in snapshot else args.init_from
-        print(f"resuming from {source} at step {snapshot['step']}", flush=True)
+        taken = f" ({os.path.basename(snapshot['shards'])})" if "shards" in snapshot else ""
+        print(f"resuming from {source} at step {snapshot['step']}{taken}", flush=True)
     if snapshot is not None and snapshot["step"] >= args.max_steps:
         if leads:
             print(f"{args.snapshot_path} already holds {snapshot['step']} steps, nothing to train: "
@@ -58,9 +63,17 @@ def main():
         try:
             trainer = Trainer(args, corpus, snapshot, rank, world, device)
             del snapshot  # a single file's tensors (--init_from): written as the run's first snapshot
-            trainer.train()
+            trainer.train(stop)
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
             sys.exit(f"error: {exc}")
+        except guards.Diverged as exc:  # every process decided it from the same all-reduced numbers
+            newest = checkpoint.latest(args.snapshot_path) if os.path.isdir(args.snapshot_path) else None
+            kept = f"the newest snapshot is {newest}" if newest else "nothing was saved"
+            if leads:
+                print(f"error: {exc}, before its update: training stopped, {kept}. Lower --lr, or raise "
+                      "--warmup_steps, or pass --skip_nonfinite N", file=sys.stderr, flush=True)  # fmt: skip
+            sys.stdout.flush()
+            os._exit(1)
         except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
             if "timed out" not in str(exc).lower():
                 raise

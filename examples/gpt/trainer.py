@@ -1,26 +1,23 @@
 """The training loop: processes, precision, the step with accumulation, evaluation, snapshots. How the model
 is split over the processes is parallel.py's business: the trainer sees a Parallel whatever the layout."""
 
-import hashlib
 import json
 import math
 import os
-import sys
 import time
-from dataclasses import asdict
 from datetime import timedelta
 
-import checkpoint
 import data
+import guards
 import parallel
+import snapshots
 import torch
 import torch.distributed as dist
-from config import MODEL_KEYS, resolve_dtype
+from config import resolve_dtype
 from memory import MemoryMeter
-from model import GPT, GPTConfig, flops_per_token, optimizer_groups, parameter_count
+from model import GPT, flops_per_token, optimizer_groups, parameter_count
+from snapshots import all_ranks, model_config
 
-# The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
-SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [
     ("H100 PCIe", 756e12),
@@ -60,15 +57,6 @@ def peak_flops(args, device):
     return None
 
 
-def all_ranks(obj):
-    """obj from every process, in rank order."""
-    if not dist.is_initialized():
-        return [obj]
-    objs = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs
-
-
 class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -90,78 +78,20 @@ class Trainer:
         self.raw = self.parallel.module  # this process's part of the GPT
         groups = optimizer_groups(self.raw, args.weight_decay)
         self.optimizer = parallel.make_optimizer(groups, layout, self.parallel.mesh, device)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
-        self.step = 0
+        self.scaler = guards.LossScaler(enabled=self.dtype == torch.float16)
+        self.step = self.skipped = 0
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
-            self.restore(snapshot)
+            snapshots.restore(self, snapshot)
         self.peak = peak_flops(args, device)
 
-    # ---- snapshots -----------------------------------------------------------------------------------
-    def extra_state(self):
-        """Everything a resumed run needs besides the weights and the optimizer state (which every process
-        writes in parts): the data position is the step itself. A collective (the random states)."""
-        rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
-        return {
-            "config": snapshot_config(self.args, self.vocab),
-            "vocab": self.vocab,
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "seed": self.args.seed,
-            "global_batch": self.global_batch,
-            "schedule": {key: getattr(self.args, key) for key in SCHEDULE_KEYS},
-            "rng": rng,  # one entry per process
-            "layout": self.layout.as_dict(),  # whose processes drew those streams
-        }
-
-    def _cuda_rng(self):
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-
-    def restore(self, snapshot):
-        optimizer = parallel.local_optimizer(self.optimizer)
-        if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot
-            snapshot["shards"] = checkpoint.import_file(self.args.snapshot_path, snapshot, self.layout.leader)
-        checkpoint.load_shards(snapshot["shards"], self.raw, optimizer)  # each process reads its own parts
-        self.scaler.load_state_dict(snapshot["scaler"])
-        self.step = int(snapshot["step"])
-        rng = snapshot["rng"]
-        # same processes and layout: each continues its own dropout stream
-        if (len(rng), snapshot.get("layout")) == (self.world, self.layout.as_dict()):
-            torch.set_rng_state(rng[self.rank]["cpu"])
-            if rng[self.rank]["cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng[self.rank]["cuda"], self.device)
-        else:
-            torch.manual_seed(self.args.seed + 1 + self.dp_rank + self.step * self.dp_world)
-        self.compare_schedule(snapshot.get("schedule", {}))
-        if (snapshot["seed"], snapshot["global_batch"]) != (self.args.seed, self.global_batch):
-            self.log(
-                f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
-                f"{snapshot['global_batch']}; this run has {self.args.seed} and {self.global_batch}"
-            )
-
-    def compare_schedule(self, before):
-        """Say what this run changes from the snapshot's. The cosine keeps its end (decay_steps) unless
-        --decay_steps is given: raising --max_steps then goes on at min_lr instead of reshaping it."""
-        a = self.args
-        if "decay_steps" in before and not a.decay_given:
-            a.decay_steps = before["decay_steps"]
-        changed = [
-            f"{key} {before[key]:g} -> {getattr(a, key):g}"
-            for key in before
-            if before[key] != getattr(a, key)
-        ]
-        if changed:
-            self.log(
-                f"note: changed since the snapshot: {', '.join(changed)}. The cosine ends at step "
-                f"{a.decay_steps} (--decay_steps moves it); AdamW's weight decay and betas stay as saved"
-            )
-
-    def save(self):
-        """A collective: every process writes its parts, the leader the rest (checkpoint.save)."""
-        extra = self.extra_state()
-        optimizer = parallel.local_optimizer(self.optimizer)
-        checkpoint.save(self.args.snapshot_path, self.raw, optimizer, extra, self.layout.leader)
+    def save(self, rng):
+        """A collective: snapshots.save. Returns the seconds it took."""
+        start = time.perf_counter()
+        snapshots.save(self, rng)
+        self.log(f"saved {self.args.snapshot_path} at step {self.step}")
+        return time.perf_counter() - start
 
     # ---- one step ------------------------------------------------------------------------------------
     def lr_at(self, step):
@@ -177,7 +107,9 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def train_step(self):
+    def train_step(self, stop):
+        """Forward and backward over the micro-batches and the checks (guards.verdict), no update yet:
+        (mean loss, gradient norm, loss finite, norm finite, stop asked on some process)."""
         a = self.args
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
@@ -190,14 +122,27 @@ class Trainer:
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
             with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
                 loss_sum += self.parallel.step(x, y, self.backward)
-        if a.grad_clip:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
-            parallel.clip_grad_norm_(self.parallel, a.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self.scaler.unscale(self.raw.parameters())  # clip and check the true gradients
+        norm = parallel.clip_grad_norm_(self.parallel, a.grad_clip or math.inf)
+        return guards.verdict(loss_sum / a.grad_accum, norm, stop)
+
+    def update(self, loss, norm, loss_ok, norm_ok):
+        """The optimizer step; or a skipped one: fp16's overflow (its scale halves), or up to
+        --skip_nonfinite non-finite steps; past those, guards.Diverged, before any update."""
+        if loss_ok and norm_ok:
+            self.scaler.update(False)
+            self.optimizer.step()
+        elif loss_ok and self.scaler.enabled:
+            self.scaler.update(True)
+        elif self.skipped < self.args.skip_nonfinite:
+            self.skipped += 1
+            self.log(f"step {self.step + 1}: loss {loss}, gradient norm {norm}: skipped "
+                     f"({self.skipped} of --skip_nonfinite {self.args.skip_nonfinite})")  # fmt: skip
+        else:
+            raise guards.Diverged(f"the {'loss' if not loss_ok else 'gradient norm'} became "
+                                  f"{loss if not loss_ok else norm} at step {self.step + 1}")  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum / a.grad_accum
 
     def backward(self, loss):
         self.scaler.scale(loss / self.args.grad_accum).backward()
@@ -234,13 +179,12 @@ class Trainer:
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(fields) + "\n")
 
-    def mean_over_ranks(self, value):
-        if dist.is_initialized():
-            dist.all_reduce(value)
-            value /= self.world
-        return value.item()
-
-    def train(self):
+    def train(self, stop):
+        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then the
+        state at the start of the step under way is saved and False returned. A snapshot due after step s
+        is written only once step s + 1's loss shows its weights sound, before that step's update: no
+        snapshot holds weights that gave a non-finite loss. The last one is checked by the final
+        validation loss."""
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
@@ -251,60 +195,54 @@ class Trainer:
         )
         self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
-        loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
+        losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
-            loss_sum += self.train_step()
+            # what a snapshot taken before this step's update must hold
+            rng = snapshots.rng_state(self.device)
+            loss, norm, loss_ok, norm_ok, stopping = self.train_step(bool(stop))
+            if loss_ok and (due or stopping):
+                clock += self.save(rng)
+                due = False
+            if stopping and loss_ok:
+                self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
+                return False
+            self.update(loss, norm, loss_ok, norm_ok)
+            losses += [loss] if loss_ok else []
             steps += 1
             last = self.step == a.max_steps
-            saving = self.step % a.save_every == 0 or last
             if self.step % a.log_every == 0 or last:
-                loss = self.mean_over_ranks(loss_sum / steps)  # also waits for the device to finish
-                self.stop_if_diverged(loss)
-                self.log_interval(loss, steps, time.perf_counter() - clock)
-                loss_sum.zero_()
-                steps = 0
-            elif saving:  # no snapshot of weights that a non-finite loss has reached
-                self.stop_if_diverged(self.mean_over_ranks(loss_sum / steps))
+                mean = sum(losses) / len(losses) if losses else math.nan
+                self.log_interval(mean, norm, steps, time.perf_counter() - clock)
+                losses, steps = [], 0
             paused = time.perf_counter()  # evaluation and snapshots stay out of the throughput
             if self.step % a.eval_every == 0 or last:
                 val_loss = self.evaluate()
                 self.log(f"step {self.step} | val loss {val_loss:.4f}")
                 self.record(step=self.step, val_loss=val_loss)
-            if saving:
-                self.save()
-                self.log(f"saved {a.snapshot_path} at step {self.step}")
+                if last and not math.isfinite(val_loss):
+                    raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
+            if last:
+                self.save(snapshots.rng_state(self.device))
+            due = due or self.step % a.save_every == 0
             clock += time.perf_counter() - paused
             if steps == 0:
                 clock = time.perf_counter()
         self.finish(meter)
+        return True
 
-    def stop_if_diverged(self, loss):
-        """Every process sees the same mean loss: all stop together, before anything more is saved."""
-        if math.isfinite(loss):
-            return
-        path = self.args.snapshot_path
-        kept = f"{path} still holds the last good snapshot" if os.path.exists(path) else "nothing was saved"
-        if self.leads:
-            print(
-                f"error: the loss became {loss} by step {self.step} (lr {self.lr_at(self.step - 1):.2e}): "
-                f"training stopped, {kept}. Lower --lr, or raise --warmup_steps",
-                file=sys.stderr,
-                flush=True,
-            )
-        sys.exit(1)
-
-    def log_interval(self, loss, steps, seconds):
-        """One line (and one metrics record) for the steps since the last one, nanoGPT style."""
+    def log_interval(self, loss, norm, steps, seconds):
+        """One line (and one metrics record) for the steps since the last one, nanoGPT style; the gradient
+        norm is the last step's, before clipping."""
         a, lr = self.args, self.lr_at(self.step - 1)
         tokens_per_s = steps * self.global_batch * a.block_size / seconds
         mfu = None if self.peak is None else tokens_per_s / self.world * self.flops_per_token / self.peak
         self.log(
-            f"step {self.step}/{a.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"step {self.step}/{a.max_steps} | loss {loss:.4f} | grad norm {norm:.3g} | lr {lr:.2e} | "
             f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
             f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
         )
-        fields = dict(step=self.step, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
-        fields.update(step_ms=seconds / steps * 1000, world_size=self.world)
+        fields = dict(step=self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_s)
+        fields.update(step_ms=seconds / steps * 1000, world_size=self.world, skipped=self.skipped)
         self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
 
     def finish(self, meter):
@@ -346,16 +284,3 @@ class Trainer:
             out = self.parallel.generate(idx, count, top_k=40, generator=gen)
         self.parallel.train(True)
         return data.decode(out[0, 1:].tolist(), self.vocab)
-
-
-def model_config(args, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
-
-
-def snapshot_config(args, vocab):
-    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
-    cfg = asdict(model_config(args, len(vocab)))
-    del cfg["dropout"]  # may change between runs
-    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
-    cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
-    return cfg

@@ -33,6 +33,10 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --time=00:30:00
+# SIGTERM to the job's steps (srun passes it to torchrun, torchrun to its workers) 120 s before the time
+# limit: the GPT trainer finishes its step, saves and exits (docs/slurm.md). scancel and preemption send it
+# too, then SIGKILL after the cluster's KillWait (30 s unless configured).
+#SBATCH --signal=TERM@120
 set -euo pipefail
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
@@ -80,6 +84,9 @@ fi
 # process group reads stale ones and fails to connect ("Gloo connectFullMesh failed ... Connection refused").
 # Unshared, every attempt gets a store of its own.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# After forwarding SIGTERM, torchrun waits this long for its workers to save and exit before it kills them
+# (its default: 30 s); within the 120 s that --signal gives before the time limit.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 
 # One task per node, whatever --ntasks-per-node the job was given; the step gets the job's CPUs per task
 # explicitly, since srun does not take them from the job on every Slurm version.

@@ -1,0 +1,101 @@
+"""The trainer's state into and out of a snapshot (checkpoint.py writes and reads the files): what a resumed
+run needs besides the weights and the optimizer state, and what it says when it changes the schedule."""
+
+import hashlib
+from dataclasses import asdict
+
+import checkpoint
+import parallel
+import torch
+import torch.distributed as dist
+from config import MODEL_KEYS
+from model import GPTConfig
+
+# The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
+
+
+def all_ranks(obj):
+    """obj from every process, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def save(trainer, rng):
+    """A collective: every process writes its parts, the leader the rest (checkpoint.save), with the
+    random states `rng` taken at the start of step trainer.step. The data position is the step itself."""
+    t, a = trainer, trainer.args
+    extra = {
+        "config": snapshot_config(a, t.vocab),
+        "vocab": t.vocab,
+        "scaler": t.scaler.state_dict(),
+        "step": t.step,
+        "seed": a.seed,
+        "global_batch": t.global_batch,
+        "schedule": {key: getattr(a, key) for key in SCHEDULE_KEYS},
+        "rng": all_ranks(rng),  # one entry per process
+        "layout": t.layout.as_dict(),  # whose processes drew those streams
+    }
+    optimizer = parallel.local_optimizer(t.optimizer)
+    checkpoint.save(a.snapshot_path, t.raw, optimizer, extra, t.layout.leader, a.keep)
+
+
+def restore(trainer, snapshot):
+    """A collective: the snapshot's state into the trainer, each process reading its own parts."""
+    t, a = trainer, trainer.args
+    optimizer = parallel.local_optimizer(t.optimizer)
+    if "shards" not in snapshot:  # a single file (--init_from): made this run's first snapshot
+        snapshot["shards"] = checkpoint.import_file(a.snapshot_path, snapshot, t.layout.leader)
+    checkpoint.load_shards(snapshot["shards"], t.raw, optimizer)
+    t.scaler.load_state_dict(snapshot["scaler"])
+    t.step = int(snapshot["step"])
+    rng = snapshot["rng"]
+    # same processes and layout: each continues its own dropout stream
+    if (len(rng), snapshot.get("layout")) == (t.world, t.layout.as_dict()):
+        torch.set_rng_state(rng[t.rank]["cpu"])
+        if rng[t.rank]["cuda"] is not None and t.device.type == "cuda":
+            torch.cuda.set_rng_state(rng[t.rank]["cuda"], t.device)
+    else:
+        torch.manual_seed(a.seed + 1 + t.dp_rank + t.step * t.dp_world)
+    compare_schedule(a, snapshot.get("schedule", {}), t.log)
+    if (snapshot["seed"], snapshot["global_batch"]) != (a.seed, t.global_batch):
+        t.log(
+            f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
+            f"{snapshot['global_batch']}; this run has {a.seed} and {t.global_batch}"
+        )
+
+
+def compare_schedule(a, before, log):
+    """Say what this run changes from the snapshot's. The cosine keeps its end (decay_steps) unless
+    --decay_steps is given: raising --max_steps then goes on at min_lr instead of reshaping it."""
+    if "decay_steps" in before and not a.decay_given:
+        a.decay_steps = before["decay_steps"]
+    changed = [
+        f"{key} {before[key]:g} -> {getattr(a, key):g}" for key in before if before[key] != getattr(a, key)
+    ]
+    if changed:
+        log(
+            f"note: changed since the snapshot: {', '.join(changed)}. The cosine ends at step "
+            f"{a.decay_steps} (--decay_steps moves it); AdamW's weight decay and betas stay as saved"
+        )
+
+
+def model_config(args, vocab_size):
+    return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
+
+
+def snapshot_config(args, vocab):
+    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
+    cfg = asdict(model_config(args, len(vocab)))
+    del cfg["dropout"]  # may change between runs
+    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
+    return cfg
