@@ -1,7 +1,6 @@
 """The training loop: processes, precision, the step with accumulation, evaluation, snapshots. How the model
 is split over the processes is parallel.py's business: the trainer sees a Parallel whatever the layout."""
 
-import hashlib
 import json
 import math
 import os
@@ -75,15 +74,15 @@ class Trainer:
         layout = self.layout = args.layout
         self.leads = rank == layout.leader  # logs, records the metrics, commits snapshots
         self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
-        ids, self.vocab = corpus
-        train, val = data.split(ids, args.block_size)
-        # the whole corpus lives on the device; batches are indexed there, not gathered sample by sample
-        self.train_data, self.val_data = train.to(device), val.to(device)
-        self.unigram = data.unigram_entropy(train, len(self.vocab))
+        self.corpus = corpus
+        # memory-mapped shards: each process reads the windows of its own share of every batch, no more
+        self.train_data, self.val_data = corpus.train, corpus.val
+        if args.in_memory:  # the whole corpus on the device instead, batches indexed there (for comparison)
+            self.train_data, self.val_data = corpus.train.long().to(device), corpus.val.long().to(device)
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         self.dtype = resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
-            model = GPT(model_config(args, len(self.vocab)))
+            model = GPT(model_config(args, corpus.vocab_size))
         self.params, self.flops_per_token = parameter_count(model), flops_per_token(model)
         param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
         self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
@@ -104,8 +103,8 @@ class Trainer:
         writes in parts): the data position is the step itself. A collective (the random states)."""
         rng = all_ranks({"cpu": torch.get_rng_state(), "cuda": self._cuda_rng()})
         return {
-            "config": snapshot_config(self.args, self.vocab),
-            "vocab": self.vocab,
+            "config": snapshot_config(self.args, self.corpus),
+            "tokenizer": None if self.corpus.tokenizer is None else self.corpus.tokenizer.to_str(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "seed": self.args.seed,
@@ -186,7 +185,8 @@ class Trainer:
         for micro in range(a.grad_accum):
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
-            x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
+            mine = offsets[start : start + a.batch_size]
+            x, y = data.gather(self.train_data, mine, a.block_size, self.device)
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
             with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
                 loss_sum += self.parallel.step(x, y, self.backward)
@@ -213,7 +213,7 @@ class Trainer:
         # every process runs as many forwards (sharded weights are gathered in each): the largest share's
         for start in range(0, -(-len(offsets) // self.dp_world), a.batch_size):
             chunk = mine[start : start + a.batch_size]
-            x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size)
+            x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size, self.device)
             with self.autocast():
                 loss = self.parallel.loss(x, y)
             if len(chunk):
@@ -244,12 +244,13 @@ class Trainer:
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         self.log(
-            f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
-            f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size}, "
+            f"{len(self.train_data)} training tokens | {self.world} process(es) on {self.device.type}, "
             f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
             f"{a.block_size} tokens"
         )
-        self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
+        if self.corpus.unigram is not None:
+            self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer)
         loss_sum, steps, clock = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < a.max_steps:
@@ -339,23 +340,22 @@ class Trainer:
 
     def sample(self, count):
         self.parallel.train(False)
-        start = self.vocab.index("\n") if "\n" in self.vocab else 0
-        idx = torch.tensor([[start]], device=self.device)
+        idx = torch.tensor([[self.corpus.start_id()]], device=self.device)
         gen = torch.Generator().manual_seed(self.args.seed)
         with self.autocast():
             out = self.parallel.generate(idx, count, top_k=40, generator=gen)
         self.parallel.train(True)
-        return data.decode(out[0, 1:].tolist(), self.vocab)
+        return self.corpus.decode(out[0, 1:].tolist())
 
 
 def model_config(args, vocab_size):
     return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
 
 
-def snapshot_config(args, vocab):
-    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
-    cfg = asdict(model_config(args, len(vocab)))
+def snapshot_config(args, corpus):
+    """What must match for a snapshot to load into this run: the model's shape and its tokenizer."""
+    cfg = asdict(model_config(args, corpus.vocab_size))
     del cfg["dropout"]  # may change between runs
-    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    cfg["tokenizer_sha256"] = corpus.digest
     cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     return cfg
