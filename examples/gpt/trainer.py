@@ -83,7 +83,10 @@ class Trainer:
         self.dtype = resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
             model = GPT(model_config(args, corpus.vocab_size))
-        self.params, self.flops_per_token = parameter_count(model), flops_per_token(model)
+        self.params, self.flops_per_token = (
+            parameter_count(model, non_embedding=False),
+            flops_per_token(model),
+        )
         param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
         self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
         self.raw = self.parallel.module  # this process's part of the GPT
@@ -243,8 +246,9 @@ class Trainer:
     def train(self):
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
+        tokens = f"{self.corpus.tokenizer.kind} tokenizer" if self.corpus.tokenizer else "no tokenizer"
         self.log(
-            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size}, "
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size} ({tokens}), "
             f"{len(self.train_data)} training tokens | {self.world} process(es) on {self.device.type}, "
             f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
             f"{a.block_size} tokens"
