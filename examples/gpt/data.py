@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import prepare
+import tokenizer as tok
 import torch
 
 # folders of the standard library that are not its source: tests, and packages installed into it
@@ -144,9 +146,6 @@ class Corpus:
 def open_shards(folder, vocab_size=None):
     """The Corpus of a folder that prepare.py wrote, or of nanoGPT's train.bin and val.bin (uint16, with
     GPT-2's vocabulary unless vocab_size says otherwise; a tokenizer.json beside them decodes samples)."""
-    import prepare
-    import tokenizer as tok
-
     folder = Path(folder)
     try:
         manifest = json.loads((folder / prepare.MANIFEST).read_text())
@@ -195,8 +194,6 @@ def open_shards(folder, vocab_size=None):
 def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=50257):
     """The Corpus of --data: prepared shards as they are; text (`stdlib`, a file or folder, an http(s) URL)
     prepared with the tokenizer `kind` into the cache folder by the first process, once."""
-    import prepare
-
     path = Path(source)
     if path.is_dir() and ((path / prepare.MANIFEST).exists() or (path / "train.bin").exists()):
         return open_shards(path, vocab_size if kind == "bpe" else None)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import data
 import tokenizer as tok
 import torch
 
@@ -68,8 +69,6 @@ def read_text(path):
 def fingerprint(sources, kind, vocab_size, dtype):
     """What decides the output, found without reading the texts: the options, and each input file's path,
     size and modification time (the standard library's: its folder and the Python version)."""
-    import data
-
     parts = [f"format {FORMAT}", kind, str(vocab_size), dtype]
     for source in sources:
         if source == "stdlib":
@@ -82,8 +81,6 @@ def fingerprint(sources, kind, vocab_size, dtype):
 
 
 def read_documents(sources):
-    import data
-
     docs = []
     for source in sources:
         if source == "stdlib":
@@ -201,7 +198,7 @@ def get_parser():
 
 def main():
     parser = get_parser()
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # sources before or after the options
     try:
         prepare(args.sources, args.out, args.tokenizer, args.vocab_size, args.dtype)
     except (PrepareError, tok.TokenizerError) as exc:
