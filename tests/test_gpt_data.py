@@ -42,7 +42,7 @@ def bpe(tmp_path_factory, texts):
 
 def tree(folder):
     """{name: (bytes, mtime)} of everything under folder."""
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ---- prepare.py ------------------------------------------------------------------------------------------
@@ -137,10 +137,10 @@ def peak_rss(metrics):
 
 
 def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tmp_path, cache):
-    """Each of 2 DDP processes maps the shards and reads its own windows: with 40M tokens (80 MB; 320 MB as
-    the trainer's int64) instead of 2M, no process's peak RSS grows by more than 5%."""
+    """Each of 2 DDP processes maps the shards and reads its own windows: with 20M tokens (40 MB; 160 MB as
+    the trainer's int64) instead of 1M, no process's peak RSS grows by more than 5%."""
     peaks = {}
-    for name, tokens in (("small", 2_000_000), ("large", 40_000_000)):
+    for name, tokens in (("small", 1_000_000), ("large", 20_000_000)):
         folder = random_shards(tmp_path / name, tokens)
         metrics = tmp_path / f"{name}.jsonl"
         args = ["--data", folder, "--vocab_size", 256, "--metrics_path", metrics, "--snapshot_path", name]
@@ -171,11 +171,12 @@ def test_a_bpe_run_samples_text_and_resuming_with_another_tokenizer_is_refused(t
 
 
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
-    config, model_mod, trainer = (import_gpt_module(n) for n in ("config", "model", "trainer"))
+    names = ("config", "model", "trainer", "data")
+    config, model_mod, trainer, data = (import_gpt_module(n) for n in names)
     _, args = config.parse_args(["--model", "gpt2", "--dtype", "fp32"])
-    assert args.tokenizer == "bpe" and args.vocab_size == 50257
+    assert args.tokenizer == "bpe" and data.GPT2_VOCAB == 50257  # text --data gets a BPE of this size
     with torch.device("meta"):
-        model = model_mod.GPT(trainer.model_config(args, args.vocab_size))
+        model = model_mod.GPT(trainer.model_config(args, data.GPT2_VOCAB))
     cfg = model.cfg
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
     assert round(model_mod.parameter_count(model, non_embedding=False) / 1e6, 2) == 124.44

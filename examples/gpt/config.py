@@ -30,7 +30,6 @@ MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 POSITIVE = (
     "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
     "eval_samples", "log_every", "grad_accum", "save_every", "timeout", "dist_timeout", "pp_microbatches",
-    "vocab_size",
 )  # fmt: skip
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
@@ -109,8 +108,8 @@ def get_parser():
         help="text --data: characters, or a byte-level BPE of --vocab_size tokens (default: the preset's)",
     )  # fmt: skip
     p.add_argument(
-        "--vocab_size", type=int, default=50257,
-        help="--tokenizer bpe: tokens in all; nanoGPT shards lacking tokenizer.json: their vocabulary",
+        "--vocab_size", type=int,
+        help="--tokenizer bpe: tokens in all; nanoGPT shards, no tokenizer.json: their vocabulary (50257)",
     )  # fmt: skip
     p.add_argument(
         "--in_memory",
@@ -225,6 +224,10 @@ def parse_args(argv=None):
         (
             args.n_embd % args.n_head == 0,
             f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
+        ),
+        (
+            args.vocab_size is None or args.vocab_size > 0,
+            f"--vocab_size must be positive, got {args.vocab_size}",
         ),
         (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
         (0 <= args.min_lr <= args.lr, f"--min_lr must be in [0, lr={args.lr}], got {args.min_lr}"),

@@ -167,7 +167,7 @@ def open_shards(folder, vocab_size=None):
         tokenizer, digest = None, None
         if (folder / prepare.TOKENIZER).is_file():
             tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
-        size = vocab_size or (tokenizer.vocab_size if tokenizer else 50257)
+        size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
         manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
         return Corpus(folder, manifest, tokenizer, digest)
     for shard in shards:
@@ -191,12 +191,15 @@ def open_shards(folder, vocab_size=None):
     return Corpus(folder, manifest, tokenizer, digest)
 
 
-def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=50257):
+GPT2_VOCAB = 50257  # tokens of GPT-2's BPE: the vocabulary when none is given
+
+
+def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
     """The Corpus of --data: prepared shards as they are; text (`stdlib`, a file or folder, an http(s) URL)
     prepared with the tokenizer `kind` into the cache folder by the first process, once."""
     path = Path(source)
     if path.is_dir() and ((path / prepare.MANIFEST).exists() or (path / "train.bin").exists()):
-        return open_shards(path, vocab_size if kind == "bpe" else None)
+        return open_shards(path, vocab_size)
     cache_dir = Path(cache_dir).expanduser()
     if re.match(r"https?://", source):
         path = cache_dir / f"url-{hashlib.sha256(source.encode()).hexdigest()[:16]}.txt"
@@ -207,7 +210,7 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=50257):
         raise DataError(f"--data {source}: only http:// and https:// addresses can be downloaded")
     elif source != "stdlib" and not path.exists():
         raise DataError(f"--data {source}: no such file")
-    sources = ["stdlib" if source == "stdlib" else str(path)]
+    sources, vocab_size = ["stdlib" if source == "stdlib" else str(path)], vocab_size or GPT2_VOCAB
     try:
         key = prepare.fingerprint(sources, kind, vocab_size, "auto")
         out = cache_dir / f"prepared-{key}"
