@@ -153,11 +153,17 @@ def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tm
 
 
 # ---- tokenizers in runs and snapshots --------------------------------------------------------------------
-def test_a_bpe_run_samples_text_and_resuming_with_another_tokenizer_is_refused(tmp_path, cache, bpe, texts):
+def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is_refused(
+    tmp_path, cache, bpe, texts
+):
     proc = train(tmp_path, cache, "--data", bpe, *SHORT[:-2], "--sample_chars", 30)
     assert "vocabulary 1000 (bpe tokenizer)" in proc.stdout, proc.stdout[-2000:]
     sample = proc.stdout.split("sample:\n", 1)[1]
     assert sample.strip() and not re.fullmatch(r"[\d\s]+", sample)  # text, not ids
+    exported = run(
+        [PYTHON, GPT / "export.py", "gpt_snapshot", "one.pt", "--sample", 30], timeout=300, cwd=tmp_path
+    )
+    assert exported.stdout.split("sample:\n", 1)[1] == sample  # the same tokens, the same tokenizer
     digest = json.loads((bpe / "manifest.json").read_text())["tokenizer"]["sha256"]
     other = tmp_path / "other"
     prepare(texts, "--out", other, "--tokenizer", "char")
