@@ -146,6 +146,12 @@ def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tm
         args = ["--data", folder, "--vocab_size", 256, "--metrics_path", metrics, "--snapshot_path", name]
         train(tmp_path, cache, *args, *SHORT, "--eval_samples", 8, nproc=2)
         peaks[name] = peak_rss(metrics)
+    print(
+        {
+            name: {rank: f"{peak / 2**20:.1f} MiB" for rank, peak in ranks.items()}
+            for name, ranks in peaks.items()
+        }
+    )
     assert sorted(peaks["small"]) == [0, 1]
     for rank, small in peaks["small"].items():
         large = peaks["large"][rank]
