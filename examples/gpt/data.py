@@ -129,7 +129,7 @@ class Corpus:
         """Each part long enough for one sample of block_size + 1 tokens."""
         need = block_size + 1
         for name, part in (("validation", self.val), ("training", self.train)):
-            if len(part) <= need:
+            if len(part) < need:
                 raise DataError(
                     f"{self.folder}: its {name} part ({len(part)} tokens) is shorter than one sample of "
                     f"block_size + 1 = {need}; give a longer text or a smaller --block_size"
@@ -166,7 +166,10 @@ def open_shards(folder, vocab_size=None):
             found[name] = {"file": path.name, "tokens": size // 2, "bytes": size}
         tokenizer, digest = None, None
         if (folder / prepare.TOKENIZER).is_file():
-            tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
+            try:
+                tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
+            except tok.TokenizerError as exc:
+                raise DataError(f"--data {folder}: {exc}") from None
         size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
         manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
         return Corpus(folder, manifest, tokenizer, digest)

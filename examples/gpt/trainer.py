@@ -248,7 +248,7 @@ class Trainer:
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         tokens = f"{self.corpus.tokenizer.kind} tokenizer" if self.corpus.tokenizer else "no tokenizer"
         self.log(
-            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size} ({tokens}), "
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size}, {tokens}, "
             f"{len(self.train_data)} training tokens | {self.world} process(es) on {self.device.type}, "
             f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
             f"{a.block_size} tokens"
