@@ -63,5 +63,5 @@ def test_a_model_of_your_own_trains_under_each_strategy(tmp_path, cache, strateg
     assert not any("ln2" in name for name in names), names  # model.py's GPT has a second norm per block
     losses = [float(v) for _, v in VAL_RE.findall(proc.stdout)]
     assert losses and losses[-1] < 4.0, proc.stdout[-2000:]  # below ln(96) = 4.56: it learns
-    if strategy != "tp":
+    if strategy == "ddp":
         assert "replicas identical" in proc.stdout
