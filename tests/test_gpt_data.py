@@ -212,7 +212,7 @@ def test_prepare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, case
     (tmp_path / "ok.txt").write_text("print('hello')\n")
     source = {"dtype": "ok.txt"}.get(case, f"{case}.txt" if case in ("binary", "nul") else case)
     extra = ["--vocab_size", "70000", "--dtype", "uint16"] if case == "dtype" else []
-    proc = run([PYTHON, PREPARE, source, "--out", "out", *extra], timeout=120, check=False, cwd=tmp_path)
+    proc = run([PYTHON, PREPARE, source, "--out", "out", *extra], timeout=300, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == f"prepare.py: error: {message}", proc.stdout
     assert "Traceback" not in proc.stdout and not (tmp_path / "out").exists()
@@ -239,7 +239,7 @@ def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case
         )
     (tmp_path / "run").mkdir()
     cmd = [PYTHON, TRAIN, "--data", folder, "--metrics_path", "m.jsonl", *SHORT]
-    proc = run(cmd, timeout=120, check=False, cwd=tmp_path / "run")
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path / "run")
     assert proc.returncode == 2, proc.stdout[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(f"train.py: error: {message}"), proc.stdout
     assert not list((tmp_path / "run").iterdir())
