@@ -114,22 +114,32 @@ diff: ## what each step adds to the previous one
 	diff -u examples/multigpu_torchrun.py examples/multigpu_ray.py; \
 	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
-# ==== GPT: examples/gpt, a character-level GPT trained with DDP (docs/gpt.md) ============================
+# ==== GPT: examples/gpt, a GPT trained with DDP (docs/gpt.md) =============================================
+# make gpt-data [GPT_DATA_ARGS="my_texts/ --vocab_size 8192"]   text (default: the standard library) into a
+#                                           BPE tokenizer and token shards in $(GPT_DATA) (examples/gpt/prepare.py)
+# make gpt GPT_ARGS="--data runs/gpt-data --model gpt2"   train on them; GPT_ARGS: any option of train.py
 # make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
 # make gpt GPT_ARGS="--parallel fsdp"       or zero, tp, "pp --pp_schedule gpipe": beyond DDP (docs/parallelism.md)
-# make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU)
+# make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU);
+#                                           then batches from memory-mapped shards vs the corpus in memory
 # make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each layout on 4 processes, vs the theory
 GPT_ARGS ?=
+GPT_DATA ?= $(RUNS)/gpt-data
+GPT_DATA_ARGS ?=
 GPT_BENCH_ARGS ?=
 MEMORY_ARGS ?=
-.PHONY: gpt bench-gpt memory
+.PHONY: gpt gpt-data bench-gpt memory
+
+gpt-data: $(ENV) ## tokenize text into $(GPT_DATA): tokenizer.json, train.bin, val.bin, manifest.json
+	$(PY) examples/gpt/prepare.py --out $(GPT_DATA) $(GPT_DATA_ARGS)
 
 gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
 	  --snapshot_path $(RUNS)/gpt/snapshot --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
 
-bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process, same global batch, and ratio
+bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; ratios
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+	$(PY) tools/bench_gpt.py --shards --out $(BENCH_OUT)/gpt-shards.json $(GPT_BENCH_ARGS)
 
 memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each layout, 1-D and 2-D
 	$(PY) tools/memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)

@@ -58,8 +58,8 @@ from snapshots import snapshot_config
 from trainer import Trainer, setup_processes
 sys.argv = sys.argv[1:]
 parser, args = parse_args()
-corpus = data.load_corpus(args.data, args.cache_dir, args.timeout)
-snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
+corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenizer, args.vocab_size)
+snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
 rank, world, device = setup_processes()
 trainer = Trainer(args, corpus, snapshot, rank, world, device)
 path, args.snapshot_path = args.snapshot_path, "resaved"

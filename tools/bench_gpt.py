@@ -6,6 +6,7 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python tools/bench_gpt.py -- --n_layer 2 --n_embd 32 --block_size 32    # options for train.py
     python tools/bench_gpt.py --strategies         # every --parallel strategy on 2 CPU ranks, vs ddp
     python tools/bench_gpt.py --strategies ddp zero
+    python tools/bench_gpt.py --shards             # batches read from memory-mapped shards vs --in_memory
 
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
@@ -101,6 +102,9 @@ def tokens_per_s(records):
 
 def plan(args, train_args, parser):
     """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
+    if args.shards:  # 2 DDP processes either way: the data path is the only difference
+        batch = ["--batch_size", args.global_batch // 2]
+        return {"in_memory": (2, 1, [*batch, "--in_memory"]), "shards": (2, 1, batch)}, "in_memory"
     if args.strategies is None:
         batch = {name: ["--batch_size", args.global_batch // procs] for name, (procs, _) in VARIANTS.items()}
         variants = {name: (*VARIANTS[name], batch[name]) for name in VARIANTS}
@@ -132,6 +136,10 @@ def main():
         "--strategies", nargs="*", metavar="NAME",
         help="compare --parallel strategies at 2 CPU ranks instead (none named: all of them)",
     )  # fmt: skip
+    p.add_argument(
+        "--shards", action="store_true",
+        help="compare the data paths instead: memory-mapped shards against the corpus in memory (2 ranks)",
+    )  # fmt: skip
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=900, help="seconds one run may take (900)")
     p.add_argument("--out", help="also write the results as JSON here")
@@ -148,6 +156,8 @@ def main():
         from config import default_cache_dir
 
         args.cache_dir = default_cache_dir()
+    if args.shards and args.strategies is not None:
+        p.error("--shards and --strategies are two different comparisons: give one")
     variants, baseline = plan(args, train_args, p)
     names = list(variants)
     results, failed = {name: [] for name in names}, {}
@@ -190,7 +200,10 @@ def report(args, train_args, names, baseline, results, failed):
         print(f"  {name:26s} {statistics.mean(values):10.0f} ± {std:.0f}")
     base = statistics.mean(results[baseline])
     ratios = {n: statistics.mean(results[n]) / base for n in names if n != baseline and n not in failed}
-    if args.strategies is None:
+    if args.shards:
+        ratio = ratios["shards"]
+        print(f"  ratio shards/in_memory (goal >= 0.98) {ratio:.3f}")
+    elif args.strategies is None:
         ratio = ratios["ddp_2_processes_1_thread"]
         print(f"  ratio ddp/one (goal >= 0.95) {ratio:.3f}")
     else:
@@ -205,7 +218,9 @@ def report(args, train_args, names, baseline, results, failed):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         out = {"settings": {**vars(args), "train_args": train_args}, "tokens_per_s": results}
         out.update(
-            {"ratio": ratio} if args.strategies is None else {"ratio_to_ddp": ratios, "failed": failed}
+            {"ratio": ratio}
+            if args.strategies is None or args.shards
+            else {"ratio_to_ddp": ratios, "failed": failed}
         )
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

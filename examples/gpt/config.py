@@ -13,18 +13,18 @@ PRESETS = {
     # about 0.8M parameters: a few thousand steps of this learn Python's look on two CPU cores
     "cpu": dict(
         n_layer=4, n_head=4, n_embd=128, block_size=128, dropout=0.0, batch_size=16, lr=1e-3,
-        warmup_steps=20, max_steps=300, eval_every=100, eval_samples=256, log_every=10,
+        warmup_steps=20, max_steps=300, eval_every=100, eval_samples=256, log_every=10, tokenizer="char",
     ),
     # about 10.7M parameters, one GPU for minutes
     "mini": dict(
         n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.1, batch_size=64, lr=1e-3,
-        warmup_steps=100, max_steps=3000, eval_every=250, eval_samples=2048, log_every=10,
+        warmup_steps=100, max_steps=3000, eval_every=250, eval_samples=2048, log_every=10, tokenizer="char",
     ),
-    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024): 124M parameters with GPT-2's
-    # 50257-token vocabulary, 85M with a character vocabulary
+    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024) and its 50257-token byte-level BPE
+    # vocabulary: 124M parameters (85M with --tokenizer char)
     "gpt2": dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, batch_size=16, lr=6e-4,
-        warmup_steps=200, max_steps=2000, eval_every=250, eval_samples=1024, log_every=10,
+        warmup_steps=200, max_steps=2000, eval_every=250, eval_samples=1024, log_every=10, tokenizer="bpe",
     ),
 }  # fmt: skip
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
@@ -98,9 +98,26 @@ class Layout:
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Train a character-level GPT, alone or under torchrun.")
+    p = argparse.ArgumentParser(description="Train a GPT, alone or under torchrun.")
     p.add_argument("--model", choices=PRESETS, help="size preset (default: gpt2 with a GPU, cpu without one)")
-    p.add_argument("--data", default="stdlib", help="stdlib (default), a UTF-8 text file, or an http(s) URL")
+    p.add_argument(
+        "--data", default="stdlib",
+        help="a folder of shards (prepare.py's, or nanoGPT's train.bin and val.bin), or text prepared into "
+        "the cache with --tokenizer: stdlib (default), a UTF-8 file or folder, an http(s) URL",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer", choices=["char", "bpe"],
+        help="text --data: characters, or a byte-level BPE of --vocab_size tokens (default: the preset's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--vocab_size", type=int,
+        help="--tokenizer bpe: tokens in all; nanoGPT shards, no tokenizer.json: their vocabulary (50257)",
+    )  # fmt: skip
+    p.add_argument(
+        "--in_memory",
+        action="store_true",
+        help="copy the whole corpus onto every device, not reading windows from the shards (to compare)",
+    )
     p.add_argument(
         "--cache_dir", default=default_cache_dir(), help="built and downloaded corpora (%(default)s)"
     )
@@ -221,6 +238,10 @@ def parse_args(argv=None):
         (
             args.n_embd % args.n_head == 0,
             f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
+        ),
+        (
+            args.vocab_size is None or args.vocab_size > 0,
+            f"--vocab_size must be positive, got {args.vocab_size}",
         ),
         (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
         (0 <= args.min_lr <= args.lr, f"--min_lr must be in [0, lr={args.lr}], got {args.min_lr}"),

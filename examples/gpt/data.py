@@ -1,12 +1,16 @@
-"""The text to train on, as a tensor of character ids, and the batches drawn from it.
+"""The tokens to train on, memory-mapped from shards on disk, and the batches drawn from them.
 
-Sources (--data): `stdlib` (the default) is the Python standard library's own source, present wherever
-Python is; a path to a UTF-8 text file; an http(s) URL, downloaded once into the cache folder.
+Sources (--data): a folder that prepare.py wrote (its manifest.json names the tokenizer and the shards); a
+folder holding nanoGPT's train.bin and val.bin (uint16, read as they are); or text, prepared into the cache
+folder once (by the first process to get there) with --tokenizer: `stdlib` (the default) is the Python
+standard library's own source, present wherever Python is; a UTF-8 text file or a folder of them; an
+http(s) URL, downloaded once into the cache folder.
 """
 
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import sys
@@ -16,10 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import prepare
+import tokenizer as tok
 import torch
 from checkpoint import atomic_write
 
-VAL_FRACTION = 0.1  # the last tenth of the text is held out for validation
 # folders of the standard library that are not its source: tests, and packages installed into it
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 NOT_PRINTABLE = re.compile(r"[^\x20-\x7e\n]")
@@ -29,7 +34,13 @@ class DataError(ValueError):
     """Input the run cannot train on; the message names it."""
 
 
-def stdlib_text():
+def stdlib_key():
+    """Names the standard library corpus of this Python without reading it."""
+    version = f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}"
+    return f"stdlib-{version}-{hashlib.sha256(sysconfig.get_paths()['stdlib'].encode()).hexdigest()[:8]}"
+
+
+def stdlib_files():
     """Every *.py file of the standard library outside test folders, in path order: tabs become four
     spaces, and only printable ASCII and newlines are kept."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -42,20 +53,7 @@ def stdlib_text():
         except OSError:
             continue
         parts.append(NOT_PRINTABLE.sub("", text.replace("\t", "    ")))
-    return "".join(parts)
-
-
-def encode(text):
-    """Character ids: the vocabulary is the text's distinct characters, sorted."""
-    codes = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
-    vocab = torch.unique(codes)
-    ids = torch.searchsorted(vocab, codes)
-    dtype = torch.int16 if len(vocab) <= 2**15 else torch.int32
-    return ids.to(dtype), "".join(map(chr, vocab.tolist()))
-
-
-def decode(ids, vocab):
-    return "".join(vocab[i] for i in ids)
+    return parts
 
 
 @contextlib.contextmanager
@@ -98,64 +96,121 @@ def download(url, dest, timeout):
         raise DataError(f"--data {url}: cannot download it within {timeout:g} s: {reason}") from None
 
 
-def cached_stdlib(cache_dir, lock_timeout):
-    """The standard library corpus, built by the first process to get here and cached for all others."""
-    version = f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}"
-    key = hashlib.sha256(sysconfig.get_paths()["stdlib"].encode()).hexdigest()[:8]
-    path = cache_dir / f"stdlib-{version}-{key}.pt"
-    with file_lock(path.with_suffix(".lock"), lock_timeout):
-        if not path.exists():
-            ids, vocab = encode(stdlib_text())
-            atomic_write(path, lambda f: torch.save({"ids": ids, "vocab": vocab}, f))
-    corpus = torch.load(path, weights_only=True)
-    return corpus["ids"], corpus["vocab"]
+class Corpus:
+    """The train and validation tokens, memory-mapped from their shards (no process reads them whole), and
+    the tokenizer they were made with (None for nanoGPT's shards without one)."""
+
+    def __init__(self, folder, manifest, tokenizer, digest):
+        self.folder, self.manifest, self.tokenizer, self.digest = folder, manifest, tokenizer, digest
+        self.vocab_size = manifest["tokenizer"]["vocab_size"]
+        self.unigram = manifest.get("unigram_entropy")
+        dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[manifest["dtype"]]
+        # shared=False: a private read-only mapping; pages are read when a window touches them
+        self.train, self.val = (
+            torch.from_file(str(folder / s["file"]), shared=False, size=s["tokens"], dtype=dtype)
+            if s["tokens"]
+            else torch.empty(0, dtype=dtype)
+            for s in (manifest["shards"]["train"], manifest["shards"]["val"])
+        )
+
+    def check(self, block_size):
+        """Each part long enough for one sample of block_size + 1 tokens."""
+        need = block_size + 1
+        for name, part in (("validation", self.val), ("training", self.train)):
+            if len(part) < need:
+                raise DataError(
+                    f"{self.folder}: its {name} part ({len(part)} tokens) is shorter than one sample of "
+                    f"block_size + 1 = {need}; give a longer text or a smaller --block_size"
+                )
+
+    def decode(self, ids):
+        """Text, or the ids themselves without a tokenizer."""
+        return " ".join(map(str, ids)) if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def start_id(self):
+        return 0 if self.tokenizer is None else self.tokenizer.start_id()
 
 
-def read_text(path, source):
+def open_shards(folder, vocab_size=None):
+    """The Corpus of a folder that prepare.py wrote, or of nanoGPT's train.bin and val.bin (uint16, with
+    GPT-2's vocabulary unless vocab_size says otherwise; a tokenizer.json beside them decodes samples)."""
+    folder = Path(folder)
     try:
-        return Path(path).read_text(encoding="utf-8")
+        manifest = json.loads((folder / prepare.MANIFEST).read_text())
+        spec = manifest["tokenizer"]
+        dtype = prepare.DTYPES[manifest["dtype"]]
+        shards = [manifest["shards"][name] for name in prepare.SHARDS]
     except FileNotFoundError:
-        raise DataError(f"--data {source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"--data {source}: cannot read it as UTF-8 text: {exc}") from None
+        manifest = None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"--data {folder}: its {prepare.MANIFEST} cannot be read: {exc}") from None
+    if manifest is None:  # nanoGPT's layout: no manifest, uint16 ids
+        found = {}
+        for name in prepare.SHARDS:
+            path = folder / f"{name}.bin"
+            if not path.is_file():
+                raise DataError(f"--data {folder}: neither a {prepare.MANIFEST} nor {path.name} in it")
+            size = path.stat().st_size
+            found[name] = {"file": path.name, "tokens": size // 2, "bytes": size}
+        tokenizer, digest = None, None
+        if (folder / prepare.TOKENIZER).is_file():
+            try:
+                tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
+            except tok.TokenizerError as exc:
+                raise DataError(f"--data {folder}: {exc}") from None
+        size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
+        manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
+        return Corpus(folder, manifest, tokenizer, digest)
+    for shard in shards:
+        path = folder / shard["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["bytes"] or size != shard["tokens"] * dtype.itemsize:
+            raise DataError(
+                f"--data {folder}: {prepare.MANIFEST} does not match its shards: {shard['file']} has "
+                f"{'no file' if size is None else f'{size} bytes'}, the manifest says {shard['tokens']} "
+                f"{manifest['dtype']} tokens ({shard['bytes']} bytes)"
+            )
+    try:
+        tokenizer, digest = tok.load(folder / spec["file"])
+    except tok.TokenizerError as exc:
+        raise DataError(f"--data {folder}: {exc}") from None
+    if digest != spec["sha256"]:
+        raise DataError(
+            f"--data {folder}: the shards are from another tokenizer: the manifest names {spec['sha256']}, "
+            f"{spec['file']} is {digest}"
+        )
+    return Corpus(folder, manifest, tokenizer, digest)
 
 
-def load_corpus(source, cache_dir, timeout):
-    """(ids, vocab) for --data: `stdlib`, a text file, or an http(s) URL (cached by its address)."""
+GPT2_VOCAB = 50257  # tokens of GPT-2's BPE: the vocabulary when none is given
+
+
+def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
+    """The Corpus of --data: prepared shards as they are; text (`stdlib`, a file or folder, an http(s) URL)
+    prepared with the tokenizer `kind` into the cache folder by the first process, once."""
+    path = Path(source)
+    if path.is_dir() and ((path / prepare.MANIFEST).exists() or (path / "train.bin").exists()):
+        return open_shards(path, vocab_size)
     cache_dir = Path(cache_dir).expanduser()
-    if source == "stdlib":
-        return cached_stdlib(cache_dir, timeout)
     if re.match(r"https?://", source):
         path = cache_dir / f"url-{hashlib.sha256(source.encode()).hexdigest()[:16]}.txt"
         with file_lock(path.with_suffix(".lock"), timeout):
             if not path.exists():
                 download(source, path, timeout)
-        text = read_text(path, source)
     elif "://" in source:
         raise DataError(f"--data {source}: only http:// and https:// addresses can be downloaded")
-    else:
-        text = read_text(source, source)
-    return encode(text)
-
-
-def split(ids, block_size):
-    """Train and validation parts (the last VAL_FRACTION), each long enough for one sample."""
-    cut = int(len(ids) * (1 - VAL_FRACTION))
-    train, val = ids[:cut], ids[cut:]
-    need = block_size + 1
-    if len(val) < need:
-        raise DataError(
-            f"the corpus has {len(ids)} characters: its validation part ({len(val)}) is shorter than one "
-            f"sample of block_size + 1 = {need}; give a longer text or a smaller --block_size"
-        )
-    return train, val
-
-
-def unigram_entropy(ids, vocab_size):
-    """Cross-entropy in nats of predicting every character from the characters' frequencies alone."""
-    counts = torch.bincount(ids.long(), minlength=vocab_size).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
+    elif source != "stdlib" and not path.exists():
+        raise DataError(f"--data {source}: no such file")
+    sources, vocab_size = ["stdlib" if source == "stdlib" else str(path)], vocab_size or GPT2_VOCAB
+    try:
+        key = prepare.fingerprint(sources, kind, vocab_size, "auto")
+        out = cache_dir / f"prepared-{key}"
+        with file_lock(cache_dir / f"prepared-{key}.lock", timeout):
+            if not prepare.is_prepared(out, key):
+                prepare.prepare(sources, out, kind, vocab_size, log=lambda text: None)
+    except prepare.PrepareError as exc:
+        raise DataError(f"--data {source}: {exc}") from None
+    return open_shards(out)
 
 
 def step_offsets(seed, step, count, data_len, block_size):
@@ -165,10 +220,14 @@ def step_offsets(seed, step, count, data_len, block_size):
     return torch.randint(0, data_len - block_size, (count,), generator=gen)
 
 
-def gather(data, offsets, block_size):
-    """Inputs and targets (shifted by one) for the given offsets, indexed where data lives (the GPU)."""
+def gather(data, offsets, block_size, device=None):
+    """Inputs and targets (shifted by one) for the given offsets, indexed where data lives (memory-mapped
+    shards: only these windows are read), then on `device`."""
     idx = offsets.to(data.device, non_blocking=True)[:, None] + torch.arange(
         block_size + 1, device=data.device
     )
     chunk = data[idx].long()
+    if device is not None and chunk.device != device:
+        pinned = chunk.pin_memory() if device.type == "cuda" else chunk
+        chunk = pinned.to(device, non_blocking=True)
     return chunk[:, :-1], chunk[:, 1:]

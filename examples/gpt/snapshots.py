@@ -1,7 +1,6 @@
 """The trainer's state into and out of a snapshot (checkpoint.py writes and reads the files): what a resumed
 run needs besides the weights and the optimizer state, and what it says when it changes the schedule."""
 
-import hashlib
 from dataclasses import asdict
 
 import checkpoint
@@ -34,8 +33,8 @@ def save(trainer, rng):
     random states `rng` taken at the start of step trainer.step. The data position is the step itself."""
     t, a = trainer, trainer.args
     extra = {
-        "config": snapshot_config(a, t.vocab),
-        "vocab": t.vocab,
+        "config": snapshot_config(a, t.corpus),
+        "tokenizer": None if t.corpus.tokenizer is None else t.corpus.tokenizer.to_str(),
         "scaler": t.scaler.state_dict(),
         "step": t.step,
         "seed": a.seed,
@@ -92,10 +91,10 @@ def model_config(args, vocab_size):
     return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
 
 
-def snapshot_config(args, vocab):
-    """What must match for a snapshot to load into this run: the model's shape and its vocabulary."""
-    cfg = asdict(model_config(args, len(vocab)))
+def snapshot_config(args, corpus):
+    """What must match for a snapshot to load into this run: the model's shape and its tokenizer."""
+    cfg = asdict(model_config(args, corpus.vocab_size))
     del cfg["dropout"]  # may change between runs
-    cfg["vocab_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    cfg["tokenizer_sha256"] = corpus.digest
     cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     return cfg

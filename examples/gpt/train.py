@@ -1,4 +1,4 @@
-"""Train a character-level GPT: one process, or one per GPU (or 2 on CPU) under torchrun, DDP by default or
+"""Train a GPT: one process, or one per GPU (or 2 on CPU) under torchrun, DDP by default or
 any layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel processes on one mesh.
 
     python examples/gpt/train.py                                  # one process, the default corpus
@@ -9,7 +9,8 @@ any layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel 
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         examples/gpt/train.py --model gpt2 --snapshot_path /shared/gpt
 
-The folder is self-contained: copy it, it needs torch alone. Run with --help for every option.
+The folder is self-contained: copy it, it needs torch alone (and `tokenizers` for a BPE tokenizer). Run
+with --help for every option. Text is tokenized into shards first (prepare.py, or here into the cache).
 """
 
 import os
@@ -34,14 +35,14 @@ def main():
     # Everything that can be wrong with the input is found here, in every process, before any process
     # group forms or any file is written.
     try:
-        corpus = data.load_corpus(args.data, args.cache_dir, args.timeout)
-        data.split(corpus[0], args.block_size)
+        corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenizer, args.vocab_size)
+        corpus.check(args.block_size)
     except data.DataError as exc:
         parser.error(str(exc))
     try:
-        snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus[1]))
+        snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
         if snapshot is None and args.init_from:
-            snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus[1]))
+            snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus))
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
     stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved

@@ -63,16 +63,19 @@ class Trainer:
         layout = self.layout = args.layout
         self.leads = rank == layout.leader  # logs, records the metrics, commits snapshots
         self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
-        ids, self.vocab = corpus
-        train, val = data.split(ids, args.block_size)
-        # the whole corpus lives on the device; batches are indexed there, not gathered sample by sample
-        self.train_data, self.val_data = train.to(device), val.to(device)
-        self.unigram = data.unigram_entropy(train, len(self.vocab))
+        self.corpus = corpus
+        # memory-mapped shards: each process reads the windows of its own share of every batch, no more
+        self.train_data, self.val_data = corpus.train, corpus.val
+        if args.in_memory:  # the whole corpus on the device instead, batches indexed there (for comparison)
+            self.train_data, self.val_data = corpus.train.long().to(device), corpus.val.long().to(device)
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         self.dtype = resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
-            model = GPT(model_config(args, len(self.vocab)))
-        self.params, self.flops_per_token = parameter_count(model), flops_per_token(model)
+            model = GPT(model_config(args, corpus.vocab_size))
+        self.params, self.flops_per_token = (
+            parameter_count(model, non_embedding=False),
+            flops_per_token(model),
+        )
         param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
         self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
         self.raw = self.parallel.module  # this process's part of the GPT
@@ -118,7 +121,8 @@ class Trainer:
         for micro in range(a.grad_accum):
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
-            x, y = data.gather(self.train_data, offsets[start : start + a.batch_size], a.block_size)
+            mine = offsets[start : start + a.batch_size]
+            x, y = data.gather(self.train_data, mine, a.block_size, self.device)
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
             with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
                 loss_sum += self.parallel.step(x, y, self.backward)
@@ -158,7 +162,7 @@ class Trainer:
         # every process runs as many forwards (sharded weights are gathered in each): the largest share's
         for start in range(0, -(-len(offsets) // self.dp_world), a.batch_size):
             chunk = mine[start : start + a.batch_size]
-            x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size)
+            x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size, self.device)
             with self.autocast():
                 loss = self.parallel.loss(x, y)
             if len(chunk):
@@ -187,13 +191,15 @@ class Trainer:
         validation loss."""
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
+        tokens = f"{self.corpus.tokenizer.kind} tokenizer" if self.corpus.tokenizer else "no tokenizer"
         self.log(
-            f"model {a.model}: {params:.2f}M parameters, vocabulary {len(self.vocab)}, "
-            f"{len(self.train_data)} training characters | {self.world} process(es) on {self.device.type}, "
+            f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size}, {tokens}, "
+            f"{len(self.train_data)} training tokens | {self.world} process(es) on {self.device.type}, "
             f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
             f"{a.block_size} tokens"
         )
-        self.log(f"unigram entropy of the training text: {self.unigram:.4f}")
+        if self.corpus.unigram is not None:
+            self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
@@ -277,10 +283,9 @@ class Trainer:
 
     def sample(self, count):
         self.parallel.train(False)
-        start = self.vocab.index("\n") if "\n" in self.vocab else 0
-        idx = torch.tensor([[start]], device=self.device)
+        idx = torch.tensor([[self.corpus.start_id()]], device=self.device)
         gen = torch.Generator().manual_seed(self.args.seed)
         with self.autocast():
             out = self.parallel.generate(idx, count, top_k=40, generator=gen)
         self.parallel.train(True)
-        return data.decode(out[0, 1:].tolist(), self.vocab)
+        return self.corpus.decode(out[0, 1:].tolist())

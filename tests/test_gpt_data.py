@@ -1,0 +1,245 @@
+"""Data for the GPT trainer: prepare.py (a tokenizer and token shards with a manifest, idempotent, nothing
+half written), nanoGPT's .bin files read as they are, memory-mapped shards whose size leaves every process's
+memory unchanged, the tokenizer's digest in snapshots, GPT-2 small's shape, and bad input. BPE tokenizers
+are trained on a few hundred kilobytes of this repository's Python; runs use the tiny model."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import PYTHON, REPO, import_gpt_module, run
+from test_gpt import GPT, TRAIN, cache, train
+
+__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
+
+PREPARE = GPT / "prepare.py"
+SHORT = ["--max_steps", 4, "--batch_size", 4, "--save_every", 4, "--sample_chars", 0]
+
+
+def prepare(*args, check=True):
+    return run([PYTHON, PREPARE, *args], timeout=300, check=check)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A folder of text files: the Python sources of tools/ (about 300 kB)."""
+    folder = tmp_path_factory.mktemp("texts")
+    for path in sorted((REPO / "tools").glob("*.py")):
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory, texts):
+    out = tmp_path_factory.mktemp("bpe") / "shards"
+    proc = prepare(texts, "--out", out, "--vocab_size", 1000)
+    assert f"wrote {out}: bpe tokenizer of 1000 tokens" in proc.stdout, proc.stdout
+    return out
+
+
+def tree(folder):
+    """{name: (bytes, mtime)} of everything under folder."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ---- prepare.py ------------------------------------------------------------------------------------------
+def test_prepare_writes_a_tokenizer_and_shards_that_decode_back_to_the_text(bpe, texts):
+    manifest = json.loads((bpe / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 1000
+    tok = import_gpt_module("tokenizer")
+    tokenizer, digest = tok.load(bpe / "tokenizer.json")
+    assert manifest["tokenizer"]["sha256"] == digest
+    ids = []
+    for name in ("train", "val"):
+        shard = manifest["shards"][name]
+        values = np.fromfile(bpe / shard["file"], dtype=np.uint16)
+        assert len(values) == shard["tokens"] and (bpe / shard["file"]).stat().st_size == shard["bytes"]
+        ids += values.tolist()
+    assert manifest["shards"]["val"]["tokens"] == len(ids) - int(len(ids) * 0.9)
+    docs = [path.read_text() for path in sorted(texts.iterdir())]
+    assert tokenizer.decode(ids) == "".join(doc + tok.EOT for doc in docs)
+    assert len(ids) < sum(map(len, docs)) / 2  # a BPE: fewer tokens than characters
+
+
+def test_prepare_again_on_the_same_input_does_nothing_and_new_input_is_prepared(tmp_path, texts):
+    out = tmp_path / "out"
+    args = [texts, "--out", out, "--tokenizer", "char"]
+    prepare(*args)
+    before = tree(out)
+    proc = prepare(*args)
+    assert f"{out} is up to date: nothing to do" in proc.stdout
+    assert tree(out) == before
+    (tmp_path / "more.txt").write_text("print('more')\n" * 100)
+    proc = prepare(*args, tmp_path / "more.txt")
+    assert f"wrote {out}" in proc.stdout
+    assert tree(out)["train.bin"][0] != before["train.bin"][0]
+
+
+def test_a_prepare_stopped_midway_leaves_the_previous_output_and_no_half_shard(tmp_path, texts, monkeypatch):
+    prepare_mod = import_gpt_module("prepare")
+    out = tmp_path / "out"
+    prepare_mod.prepare([str(texts)], out, "char", log=lambda text: None)
+    before = tree(out)
+    written = []
+
+    def dying_write(path, content):  # the second shard's write dies half way
+        written.append(path.name)
+        with open(path, "wb") as f:
+            f.write(content[: len(content) // 2 if len(written) == 2 else None])
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_mod.Path, "write_bytes", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_mod.prepare([str(texts), str(REPO / "Makefile")], out, "char", log=lambda text: None)
+    assert written == ["train.bin", "val.bin"]
+    assert tree(out) == before
+
+
+# ---- nanoGPT's files -------------------------------------------------------------------------------------
+def test_nanogpt_bin_files_are_read_as_they_are(tmp_path, cache):
+    """nanoGPT's prepare.py writes np.array(ids, dtype=np.uint16).tofile('train.bin'): no header."""
+    folder = tmp_path / "nanogpt"
+    folder.mkdir()
+    gen = np.random.default_rng(0)
+    ids = {name: gen.integers(0, 65, size, dtype=np.uint16) for name, size in (("train", 5000), ("val", 600))}
+    for name, values in ids.items():
+        np.array(values, dtype=np.uint16).tofile(folder / f"{name}.bin")
+    data = import_gpt_module("data")
+    corpus = data.open_shards(folder, 65)
+    assert corpus.train.long().tolist() == ids["train"].tolist()
+    assert corpus.val.long().tolist() == ids["val"].tolist()
+    proc = train(tmp_path, cache, "--data", folder, "--vocab_size", 65, *SHORT)
+    assert "vocabulary 65, no tokenizer, 5000 training tokens" in proc.stdout, proc.stdout[-2000:]
+    assert files_in(folder) == ["train.bin", "val.bin"]  # nothing written beside them
+
+
+def files_in(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---- memory-mapped shards --------------------------------------------------------------------------------
+def random_shards(folder, tokens):
+    """nanoGPT-style shards of random ids below 256."""
+    folder.mkdir()
+    gen = np.random.default_rng(1)
+    for name, size in (("train", tokens), ("val", tokens // 10)):
+        gen.integers(0, 256, size, dtype=np.uint16).tofile(folder / f"{name}.bin")
+    return folder
+
+
+def peak_rss(metrics):
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["rank"]: r["memory"]["peak_bytes"] for r in records if "memory" in r}
+
+
+def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tmp_path, cache):
+    """Each of 2 DDP processes maps the shards and reads its own windows: with 20M tokens (40 MB; 160 MB as
+    the trainer's int64) instead of 1M, no process's peak RSS grows by more than 5%."""
+    peaks = {}
+    for name, tokens in (("small", 1_000_000), ("large", 20_000_000)):
+        folder = random_shards(tmp_path / name, tokens)
+        metrics = tmp_path / f"{name}.jsonl"
+        args = ["--data", folder, "--vocab_size", 256, "--metrics_path", metrics, "--snapshot_path", name]
+        train(tmp_path, cache, *args, *SHORT, "--eval_samples", 8, nproc=2)
+        peaks[name] = peak_rss(metrics)
+    print(
+        {
+            name: {rank: f"{peak / 2**20:.1f} MiB" for rank, peak in ranks.items()}
+            for name, ranks in peaks.items()
+        }
+    )
+    assert sorted(peaks["small"]) == [0, 1]
+    for rank, small in peaks["small"].items():
+        large = peaks["large"][rank]
+        assert large <= small * 1.05, f"rank {rank}: peak RSS {small / 2**20:.0f} -> {large / 2**20:.0f} MiB"
+
+
+# ---- tokenizers in runs and snapshots --------------------------------------------------------------------
+def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is_refused(
+    tmp_path, cache, bpe, texts
+):
+    proc = train(tmp_path, cache, "--data", bpe, *SHORT[:-2], "--sample_chars", 30)
+    assert "vocabulary 1000, bpe tokenizer," in proc.stdout, proc.stdout[-2000:]
+    sample = proc.stdout.split("sample:\n", 1)[1]
+    assert sample.strip() and not re.fullmatch(r"[\d\s]+", sample)  # text, not ids
+    exported = run(
+        [PYTHON, GPT / "export.py", "gpt_snapshot", "one.pt", "--sample", 30], timeout=300, cwd=tmp_path
+    )
+    assert exported.stdout.split("sample:\n", 1)[1] == sample  # the same tokens, the same tokenizer
+    digest = json.loads((bpe / "manifest.json").read_text())["tokenizer"]["sha256"]
+    other = tmp_path / "other"
+    prepare(texts, "--out", other, "--tokenizer", "char")
+    other_digest = json.loads((other / "manifest.json").read_text())["tokenizer"]["sha256"]
+    before = tree(tmp_path / "gpt_snapshot")
+    proc = train(tmp_path, cache, "--data", other, *SHORT, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    errors = [line for line in proc.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1 and f"tokenizer_sha256 {digest!r} (this run: {other_digest!r})" in errors[0]
+    assert "Traceback" not in proc.stdout and tree(tmp_path / "gpt_snapshot") == before
+
+
+def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
+    names = ("config", "model", "snapshots", "data")
+    config, model_mod, snapshots, data = (import_gpt_module(n) for n in names)
+    _, args = config.parse_args(["--model", "gpt2", "--dtype", "fp32"])
+    assert args.tokenizer == "bpe" and data.GPT2_VOCAB == 50257  # text --data gets a BPE of this size
+    with torch.device("meta"):
+        model = model_mod.GPT(snapshots.model_config(args, data.GPT2_VOCAB))
+    cfg = model.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
+    assert round(model_mod.parameter_count(model, non_embedding=False) / 1e6, 2) == 124.44
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("empty", "empty: the folder holds no files"),
+        ("binary", "binary.txt: not UTF-8 text (byte 1 cannot be decoded)"),
+        ("nul", "nul.txt: not text (it holds NUL bytes)"),
+        ("dtype", "--dtype uint16: a vocabulary of 70000 tokens does not fit; use uint32"),
+        ("missing", "missing: no such file or folder"),
+    ],
+)
+def test_prepare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, case, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "binary.txt").write_bytes(b"\x00\xff\xfe text")
+    (tmp_path / "nul.txt").write_text("text\0more")
+    (tmp_path / "ok.txt").write_text("print('hello')\n")
+    source = {"dtype": "ok.txt"}.get(case, f"{case}.txt" if case in ("binary", "nul") else case)
+    extra = ["--vocab_size", "70000", "--dtype", "uint16"] if case == "dtype" else []
+    proc = run([PYTHON, PREPARE, source, "--out", "out", *extra], timeout=300, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"prepare.py: error: {message}", proc.stdout
+    assert "Traceback" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["other_tokenizer", "manifest_mismatch"])
+def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case):
+    folder = tmp_path / "shards"
+    shutil.copytree(bpe, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if case == "other_tokenizer":
+        (folder / "tokenizer.json").write_text(json.dumps({"type": "char", "vocab": "abc"}))
+        message = (
+            f"--data {folder}: the shards are from another tokenizer: the manifest names "
+            f"{manifest['tokenizer']['sha256']}, tokenizer.json is "
+        )
+    else:
+        with open(folder / "val.bin", "r+b") as f:
+            f.truncate(100)
+        tokens = manifest["shards"]["val"]["tokens"]
+        message = (
+            f"--data {folder}: manifest.json does not match its shards: val.bin has 100 bytes, the manifest "
+            f"says {tokens} uint16 tokens ({2 * tokens} bytes)"
+        )
+    (tmp_path / "run").mkdir()
+    cmd = [PYTHON, TRAIN, "--data", folder, "--metrics_path", "m.jsonl", *SHORT]
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path / "run")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"train.py: error: {message}"), proc.stdout
+    assert not list((tmp_path / "run").iterdir())
