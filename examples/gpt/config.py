@@ -34,6 +34,7 @@ POSITIVE = (
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
 SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
+WARMUP_FRACTION = 0.1  # the warm-up takes at most this share of --max_steps: a short run is not all warm-up
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,9 @@ def parse_args(argv=None):
     args.decay_given = args.decay_steps is not None  # else a resumed run keeps its snapshot's
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    if args.warmup_steps > (most := int(args.max_steps * WARMUP_FRACTION)) and os.getenv("RANK", "0") == "0":
+        print(f"--warmup_steps {args.warmup_steps} shortened to {most}, {WARMUP_FRACTION:.0%} of --max_steps")
+    args.warmup_steps = min(args.warmup_steps, most)
     checks = [
         (
             args.n_embd % args.n_head == 0,
