@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor pitfalls test lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor pitfalls test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -180,8 +180,12 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 # ==== end benchmarks =====================================================================================
 
 
-test: $(ENV) ## run the test suite
+test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-quick)
 	$(PY) -m pytest $(TEST_ARGS)
+
+QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
+test-quick: $(ENV) ## the lessons and the README's commands only: a few minutes
+	$(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .

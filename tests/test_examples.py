@@ -151,6 +151,28 @@ def test_each_start_line_is_written_whole(tmp_path, name):
     assert all(re.fullmatch(r"\[rank \d/2\] cpu, gloo\n\x1e", line) for line in starts), starts
 
 
+def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
+    """docs/lessons.md explains the first epochs with the number of processes, and the two remedies, by
+    commands and the losses they print: run each (2 of its epochs: the first two do not depend on the total)
+    and compare, digit for digit."""
+    text = (REPO / "docs" / "lessons.md").read_text()
+    section = text.split("## Why the first epochs differ")[1].split("\n## ")[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if "loss after epoch 1" in cells:  # a table's header: where its epoch 1 and 2 columns are
+            columns = cells.index("loss after epoch 1"), cells.index("epoch 2")
+        command = re.search(r"`python (examples/\S+\.py) 10 5([^`]*)`", line)
+        if command:
+            rows.append((*command.groups(), cells[columns[0]], cells[columns[1]]))
+    assert len(rows) == 5, rows  # three process counts, two remedies
+    for script, options, first, second in rows:
+        cmd = [VENV / "bin" / "python", REPO / script, 2, 1, *options.split(), "--snapshot_path", "s.pt"]
+        losses = TrainLog(run(cmd, timeout=300, cwd=tmp_path).stdout).losses
+        (tmp_path / "s.pt").unlink()
+        assert losses == [float(first), float(second)], (script, options)
+
+
 def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     make = ["make", "-C", REPO, "multinode", "EPOCHS=3", f"RUNS={tmp_path}", f"VENV={VENV}"]
     proc = run([*make, "ARGS=--dataset_size 512"], timeout=300)
