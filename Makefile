@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor pitfalls test test-quick lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo pitfalls test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -178,6 +178,9 @@ two-node-down: ## remove the two-node containers, network and snapshot volume (=
 
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
+
+fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
+	$(PY) tools/fault_demo.py --dir $(RUNS)/fault-demo
 
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
 	$(PY) tools/pitfalls.py

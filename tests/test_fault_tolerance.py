@@ -21,6 +21,7 @@ from conftest import (
     PYTHON,
     REPO,
     TORCHRUN,
+    VENV,
     TrainLog,
     example_cmd,
     free_port,
@@ -272,3 +273,23 @@ def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
     read = re.findall(r"read_timeout=(\d+)", text)
     assert join and read, f"{path} leaves torchrun's rendezvous timeouts at their defaults"
     assert max(map(int, join)) <= 60 and max(map(int, read)) <= 30, (join, read)
+
+
+def test_make_fault_demo_kills_a_worker_after_a_snapshot_and_accounts_for_the_recovery(tmp_path):
+    """The restart a reader can watch: the documented command, rank 1 killed once the first snapshot is on
+    disk, torchrun's restart, and a short account ending with the comparison to an uninterrupted run."""
+    make = ["make", "--no-print-directory", "-C", REPO, "fault-demo", f"RUNS={tmp_path}", f"VENV={VENV}"]
+    out = run(make, timeout=900).stdout
+    account = out[out.index("fault demo, in short:") :]
+    assert re.search(r"rank 1 \(pid \d+\) was killed in epoch 6; the last snapshot held 5 epochs", account), (
+        out[-3000:]
+    )
+    assert (
+        "torchrun restarted the workers; they resumed from the snapshot of epoch 5, and the run exited 0"
+        in account
+    )
+    assert "final weights equal an uninterrupted run's, bit for bit" in account
+    assert (
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3"
+        in out
+    )
