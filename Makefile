@@ -157,7 +157,8 @@ image-current: ## build the image only when it is missing or out of date (the tw
 	  echo "$(IMAGE) is up to date (built from these files on base $$base): not rebuilt"; \
 	else \
 	  given='$(BASE_IMAGE)'; [ -n "$$given" ] || { [ -n "$$base" ] && [ "$$base" != default ] && given=$$base; }; \
-	  echo "$(IMAGE) is $${labels:+out of date}$${labels:-missing}: building it$${given:+ on $$given}"; \
+	  state=missing; [ -z "$$labels" ] || state="out of date"; \
+	  echo "$(IMAGE) is $$state: building it$${given:+ on $$given}"; \
 	  $(MAKE) --no-print-directory image IMAGE=$(IMAGE) BASE_IMAGE=$$given; \
 	fi
 
