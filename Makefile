@@ -208,7 +208,7 @@ test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-qu
 	$(PY) -m pytest $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
-test-quick: $(ENV) ## the lessons and the README's commands only: a few minutes
+test-quick: $(ENV) ## the lessons' tests and the README's commands only (about 17 min on 2 busy cores)
 	$(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
