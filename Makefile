@@ -29,7 +29,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor pitfalls test lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo pitfalls test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -61,7 +61,7 @@ PY := $(RUN_PREFIX) python
 TORCHRUN := $(RUN_PREFIX) torchrun
 # No local environment: the $(ENV) rule below then has no target and is ignored; the steps need the image.
 ENV :=
-single_gpu multigpu dataparallel torchrun multinode accelerate: image
+single_gpu multigpu dataparallel torchrun multinode accelerate: image-current
 endif
 # $(call two_node,FILES): both nodes to the end; the exit status is node0's. A finished job's containers
 # and volume are removed, so the next run starts fresh; a failed job's volume is kept, so the next run
@@ -146,21 +146,42 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 # ==== end GPT ============================================================================================
 
 # ---- Docker and two nodes (variables above) ----
-.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
+.PHONY: image image-current base-image two-node two-node-cpu two-node-accelerate two-node-down
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
-	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
+	  --label ddp.base=$(or $(BASE_IMAGE),default) -t $(IMAGE) .
+
+# What the image is built from (the files .dockerignore lets in, and the Dockerfile), as one checksum that
+# `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the image is missing,
+# was built from other files, or from another BASE_IMAGE than one given; otherwise they run the image as
+# `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a machine without
+# a registry that built on local/ddp-base:bookworm keeps building on it.
+IMAGE_SUM = $(shell find Dockerfile .dockerignore requirements.txt examples tools/doctor.py tools/launch.py \
+  docker/ray-node.sh -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort | xargs sha256sum \
+  | sha256sum | cut -c1-16)
+image-current: ## build the image only when it is missing or out of date (the two-node targets use this)
+	@labels=$$(docker image inspect -f '{{index .Config.Labels "ddp.inputs"}} {{index .Config.Labels "ddp.base"}}' \
+	  $(IMAGE) 2>/dev/null); sum=$${labels% *}; base=$${labels#* }; base=$${base#<no value>}; \
+	if [ -n "$$labels" ] && [ "$$sum" = "$(IMAGE_SUM)" ] && [ -z "$(BASE_IMAGE)" -o "$$base" = "$(BASE_IMAGE)" ]; then \
+	  echo "$(IMAGE) is up to date (built from these files on base $$base): not rebuilt"; \
+	else \
+	  given='$(BASE_IMAGE)'; [ -n "$$given" ] || { [ -n "$$base" ] && [ "$$base" != default ] && given=$$base; }; \
+	  state=missing; [ -z "$$labels" ] || state="out of date"; \
+	  echo "$(IMAGE) is $$state: building it$${given:+ on $$given}"; \
+	  $(MAKE) --no-print-directory image IMAGE=$(IMAGE) BASE_IMAGE=$$given; \
+	fi
 
 base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
 	docker/build-base.sh $(LOCAL_BASE)
 
-two-node: image ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
+two-node: image-current ## two containers as two nodes, GPUs (NCCL), NPROC_PER_NODE=2 each
 	$(call two_node,$(COMPOSE_GPU))
 
-two-node-cpu: image ## two containers as two nodes, CPU (gloo), 2 processes each (as `docker compose up`)
+two-node-cpu: image-current ## two containers as two nodes, CPU (gloo), 2 processes each (as `docker compose up`)
 	$(call two_node,$(COMPOSE_CPU))
 
-two-node-accelerate: image ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
+two-node-accelerate: image-current ## the accelerate example across two containers (CPU; ACCEL_GPU=1 for GPUs)
 	$(call two_node,$(if $(ACCEL_GPU),$(COMPOSE_GPU),$(COMPOSE_CPU)) -f compose/accelerate.yaml)
 
 two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
@@ -168,6 +189,9 @@ two-node-down: ## remove the two-node containers, network and snapshot volume (=
 
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
+
+fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
+	$(PY) tools/fault_demo.py --dir $(RUNS)/fault-demo
 
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
 	$(PY) tools/pitfalls.py
@@ -190,8 +214,12 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 # ==== end benchmarks =====================================================================================
 
 
-test: $(ENV) ## run the test suite
+test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-quick)
 	$(PY) -m pytest $(TEST_ARGS)
+
+QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
+test-quick: $(ENV) ## the lessons' tests and the README's commands only (about 17 min on 2 busy cores)
+	$(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .

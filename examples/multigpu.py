@@ -31,10 +31,9 @@ def ddp_setup(rank, world_size, timeout):
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # this process, all of them
-        self.device = device
-        self.model = model.to(device)
+        self.device, self.model = device, model.to(device)
         self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
-        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
         # DDP: every process starts from rank 0's weights, and backward() averages the gradients
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -62,13 +61,13 @@ class Trainer:
                 log_epoch(self.args, epoch + 1, loss, start, len(self.train_data.dataset), self.world_size)
                 if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                     save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
-        check_replicas(self.model.module)
+        check_replicas(self.model.module, self.epochs_run < self.args.total_epochs)
 
 
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    print(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}", flush=True)
+    print(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n", end="", flush=True)  # one write
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
@@ -143,19 +142,22 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(tmp, path)
 
 
-def load_snapshot(path, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device, total_epochs):
     """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
     if not os.path.exists(path):
         return 0
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # speaks for all
     try:  # weights_only: tensors and plain containers only, a file that would run code is refused
         snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         epochs_run = int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage fails in many ways: name the type and the first line
-        reason = f"{type(exc).__name__}: {(str(exc).strip() or 'no detail').splitlines()[0]}"
-        sys.exit(f"error: cannot resume from snapshot {path} ({reason}). It is left untouched: move it away.")
-    print(f"resuming from {path}: {epochs_run} epochs already run", flush=True)
+    except Exception as exc:  # garbage fails in many ways: the type and the whole reason (keys, shapes)
+        message = f"error: cannot resume from snapshot {path} ({type(exc).__name__}: {str(exc).strip()})"
+        sys.exit(f"{message}. It is left untouched: move it away." if first else 0)  # the others end quietly
+    end = ", nothing to train: raise total_epochs to go on" if epochs_run >= total_epochs else ""
+    if first:  # a finished run in the GPT trainer's words (examples/gpt/train.py); one line, not print's two
+        print(f"resuming from {path}: {epochs_run} epochs already run{end}\n", end="", flush=True)
     return epochs_run
 
 
@@ -169,14 +171,12 @@ def log_epoch(args, epoch, loss, start, samples, world_size=1):
             f.write(json.dumps(record) + "\n")
 
 
-def check_replicas(model):
+def check_replicas(model, trained):
     """DDP keeps the replicas identical: rank 0 counts the processes whose weights equal its own."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
-    same = torch.tensor(float(torch.equal(mine, rank0)), device=mine.device)
-    dist.reduce(same, dst=0)
-    if dist.get_rank() == 0:
+    dist.broadcast(rank0 := mine.clone(), src=0)
+    dist.reduce(same := torch.tensor(float(torch.equal(mine, rank0)), device=mine.device), dst=0)  # 1 or 0
+    if dist.get_rank() == 0 and trained:  # after nothing to train, nothing to report
         print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks", flush=True)
 
 
@@ -193,4 +193,7 @@ if __name__ == "__main__":
     with socket.socket() as s:  # on a port that nothing on this machine listens on
         s.bind(("", 0))
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    try:
+        mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    except mp.ProcessExitedException as exc:  # the process said why before it ended: no traceback here
+        sys.exit(exc.exit_code)

@@ -27,7 +27,7 @@ class Trainer:
         self.device = device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device
         self.model = model.to(device)
         self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
-        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
         self.order = train_data.sampler.generator  # the shuffling, which prepare() keeps using
         # prepare(): DDP around the model, and every process given its share of each epoch's batches
         self.model, self.optimizer, self.train_data = accelerator.prepare(self.model, optimizer, train_data)
@@ -57,7 +57,7 @@ class Trainer:
                 if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                     model = self.accelerator.unwrap_model(self.model)
                     save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
-        check_replicas(self.accelerator.unwrap_model(self.model))
+        check_replicas(self.accelerator.unwrap_model(self.model), self.epochs_run < self.args.total_epochs)
 
 
 def main(args):
@@ -65,7 +65,8 @@ def main(args):
     wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))  # for the other processes
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
     rank = f"[rank {accelerator.process_index}/{accelerator.num_processes}]"
-    print(f"{rank} {accelerator.device}, {dist.get_backend()}", flush=True)
+    device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device  # not "cpu:0"
+    print(f"{rank} {device}, {dist.get_backend()}\n", end="", flush=True)  # one write: the line stays whole
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = RandomSampler(train_set, generator=torch.Generator())  # one order, split by prepare()
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
@@ -140,19 +141,22 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(tmp, path)
 
 
-def load_snapshot(path, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device, total_epochs):
     """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
     if not os.path.exists(path):
         return 0
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # speaks for all
     try:  # weights_only: tensors and plain containers only, a file that would run code is refused
         snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         epochs_run = int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage fails in many ways: name the type and the first line
-        reason = f"{type(exc).__name__}: {(str(exc).strip() or 'no detail').splitlines()[0]}"
-        sys.exit(f"error: cannot resume from snapshot {path} ({reason}). It is left untouched: move it away.")
-    print(f"resuming from {path}: {epochs_run} epochs already run", flush=True)
+    except Exception as exc:  # garbage fails in many ways: the type and the whole reason (keys, shapes)
+        message = f"error: cannot resume from snapshot {path} ({type(exc).__name__}: {str(exc).strip()})"
+        sys.exit(f"{message}. It is left untouched: move it away." if first else 0)  # the others end quietly
+    end = ", nothing to train: raise total_epochs to go on" if epochs_run >= total_epochs else ""
+    if first:  # a finished run in the GPT trainer's words (examples/gpt/train.py); one line, not print's two
+        print(f"resuming from {path}: {epochs_run} epochs already run{end}\n", end="", flush=True)
     return epochs_run
 
 
@@ -166,14 +170,12 @@ def log_epoch(args, epoch, loss, start, samples, world_size=1):
             f.write(json.dumps(record) + "\n")
 
 
-def check_replicas(model):
+def check_replicas(model, trained):
     """DDP keeps the replicas identical: rank 0 counts the processes whose weights equal its own."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
-    same = torch.tensor(float(torch.equal(mine, rank0)), device=mine.device)
-    dist.reduce(same, dst=0)
-    if dist.get_rank() == 0:
+    dist.broadcast(rank0 := mine.clone(), src=0)
+    dist.reduce(same := torch.tensor(float(torch.equal(mine, rank0)), device=mine.device), dst=0)  # 1 or 0
+    if dist.get_rank() == 0 and trained:  # after nothing to train, nothing to report
         print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks", flush=True)
 
 
@@ -185,7 +187,7 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...")
+        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

@@ -16,10 +16,9 @@ from torch.utils.data import DataLoader, RandomSampler
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
-        self.device = device
-        self.model = model.to(device)
+        self.device, self.model = device, model.to(device)
         self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
-        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -120,19 +119,22 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(tmp, path)
 
 
-def load_snapshot(path, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device, total_epochs):
     """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
     if not os.path.exists(path):
         return 0
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # speaks for all
     try:  # weights_only: tensors and plain containers only, a file that would run code is refused
         snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         epochs_run = int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage fails in many ways: name the type and the first line
-        reason = f"{type(exc).__name__}: {(str(exc).strip() or 'no detail').splitlines()[0]}"
-        sys.exit(f"error: cannot resume from snapshot {path} ({reason}). It is left untouched: move it away.")
-    print(f"resuming from {path}: {epochs_run} epochs already run", flush=True)
+    except Exception as exc:  # garbage fails in many ways: the type and the whole reason (keys, shapes)
+        message = f"error: cannot resume from snapshot {path} ({type(exc).__name__}: {str(exc).strip()})"
+        sys.exit(f"{message}. It is left untouched: move it away." if first else 0)  # the others end quietly
+    end = ", nothing to train: raise total_epochs to go on" if epochs_run >= total_epochs else ""
+    if first:  # a finished run in the GPT trainer's words (examples/gpt/train.py); one line, not print's two
+        print(f"resuming from {path}: {epochs_run} epochs already run{end}\n", end="", flush=True)
     return epochs_run
 
 

@@ -335,6 +335,34 @@ def test_image_runs_as_a_non_root_user_without_secrets(image):
     assert not [n for n in names if re.search(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", n)], names
 
 
+def test_make_builds_the_image_only_when_it_is_missing_or_out_of_date(image):
+    """`make two-node-cpu` on a machine without a registry: an image already there is run, not rebuilt (a
+    rebuild would ask the registry for the CUDA base and fail); changed inputs rebuild it on its own base."""
+    tag = f"{IMAGE}-current"
+    make = ["make", "--no-print-directory", "-C", REPO, "image-current", f"IMAGE={tag}"]
+    labels = ["docker", "image", "inspect", "-f", '{{index .Config.Labels "ddp.inputs"}}', tag]
+    try:
+        first = run([*make, f"BASE_IMAGE={BASE_IMAGE}"], timeout=1800).stdout
+        assert f"{tag} is missing: building it on {BASE_IMAGE}" in first, first[-2000:]
+        again = run(make, timeout=120).stdout  # no BASE_IMAGE: any base does, as for `docker compose up`
+        assert (
+            again.strip() == f"{tag} is up to date (built from these files on base {BASE_IMAGE}): not rebuilt"
+        )
+        changed = run([*make, "IMAGE_SUM=0123456789abcdef"], timeout=1800).stdout  # as if an example changed
+        assert f"{tag} is out of date: building it on {BASE_IMAGE}" in changed, changed[-2000:]
+        assert run(labels, timeout=60).stdout.strip() == "0123456789abcdef"
+    finally:
+        subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120, check=False)
+
+
+def test_the_two_node_targets_and_in_docker_steps_build_only_when_needed():
+    prerequisites = run(["make", "-p", "-n", "-C", REPO, "help"], timeout=30).stdout
+    for target in ("two-node", "two-node-cpu", "two-node-accelerate"):
+        assert re.search(rf"^{target}: image-current$", prerequisites, re.M), target
+    docker_steps = run(["make", "-p", "-n", "-C", REPO, "help", "IN_DOCKER=1"], timeout=30).stdout
+    assert re.search(r"^multigpu: image-current$", docker_steps, re.M)
+
+
 # Real runs: the first one also waits for the image build (minutes on a cold machine).
 SLOW = pytest.mark.timeout(1800)
 
@@ -526,8 +554,8 @@ def test_node1_crash_and_docker_kill_are_survived(project):
     status = run(["docker", "wait", node0], timeout=600).stdout.strip()
     log = TrainLog(proj.logs("node0"))
     assert status == "0", log.text[-4000:]
-    # each of node0's 2 processes says so once per restart: after the crash and after the kill
-    assert log.text.count("resuming from /snapshots/multinode.pt") == 2 * 2, log.text[-4000:]
+    # rank 0 (on node0) says so once per restart: after the crash and after the kill
+    assert log.text.count("resuming from /snapshots/multinode.pt") == 2, log.text[-4000:]
     log.assert_trained(world_size=4)
     assert log.epochs[-1] == 40
     assert proj.snapshot_weights(SNAPSHOTS["multinode"]) == expected

@@ -98,7 +98,9 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
     first = run(example_cmd(name, 2, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(first.stdout).epochs == [1, 2]
     second = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
-    assert f"resuming from {name}_snapshot.pt: 2 epochs already run" in second.stdout
+    assert second.stdout.count(f"resuming from {name}_snapshot.pt: 2 epochs already run\n") == 1, (
+        "one process"
+    )
     assert TrainLog(second.stdout).epochs == [3, 4], "the saved epoch is not run again"
     assert TrainLog(second.stdout).losses == runs[name].log.losses[2:]
     resumed = load_snapshot(tmp_path / f"{name}_snapshot.pt")
@@ -107,6 +109,68 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
         torch.testing.assert_close(resumed[part], uninterrupted[part], rtol=0, atol=0)
     third = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(third.stdout).epochs == [], "a finished run trains nothing more"
+    # said once, by one process, in the GPT trainer's words, and nothing after it that looks like a run
+    done = (
+        f"resuming from {name}_snapshot.pt: {EPOCHS} epochs already run, nothing to train: raise total_epochs"
+    )
+    assert third.stdout.count(done) == 1 and "weights identical" not in third.stdout, third.stdout[-3000:]
+    assert third.returncode == 0
+
+
+# sitecustomize for every process: a mark after each write to stdout, so a line written in pieces shows
+WRITE_MARKS = """
+import sys
+
+class Marked:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(text + "\\x1e")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+sys.stdout = Marked(sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("name", DDP_EXAMPLES)
+def test_each_start_line_is_written_whole(tmp_path, name):
+    """Unbuffered (as in the image), print() writes the text and its newline apart, and two processes'
+    start lines interleave ("[rank 1/2] cpu, gloo[rank 0/2] cpu, gloo"): each is one write."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(WRITE_MARKS)
+    args = [1, 1, "--dataset_size", 64, "--snapshot_path", "snap.pt"]
+    proc = run(
+        example_cmd(name, *args), timeout=300, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")}
+    )
+    starts = re.findall(r"\[rank \d/2\][^\n]*\n\x1e?", proc.stdout)
+    assert len(starts) == NPROC, proc.stdout[-3000:]
+    # the newline in the same write as the text; "cpu" as in every lesson ("cpu:0" reads as GPU 0)
+    assert all(re.fullmatch(r"\[rank \d/2\] cpu, gloo\n\x1e", line) for line in starts), starts
+
+
+def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
+    """docs/lessons.md explains the first epochs with the number of processes, and the two remedies, by
+    commands and the losses they print: run each (2 of its epochs: the first two do not depend on the total)
+    and compare, digit for digit."""
+    text = (REPO / "docs" / "lessons.md").read_text()
+    section = text.split("## Why the first epochs differ")[1].split("\n## ")[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if "loss after epoch 1" in cells:  # a table's header: where its epoch 1 and 2 columns are
+            columns = cells.index("loss after epoch 1"), cells.index("epoch 2")
+        command = re.search(r"`python (examples/\S+\.py) 10 5([^`]*)`", line)
+        if command:
+            rows.append((*command.groups(), cells[columns[0]], cells[columns[1]]))
+    assert len(rows) == 5, rows  # three process counts, two remedies
+    for script, options, first, second in rows:
+        cmd = [VENV / "bin" / "python", REPO / script, 2, 1, *options.split(), "--snapshot_path", "s.pt"]
+        losses = TrainLog(run(cmd, timeout=300, cwd=tmp_path).stdout).losses
+        (tmp_path / "s.pt").unlink()
+        assert losses == [float(first), float(second)], (script, options)
 
 
 def test_make_multinode_trains_on_two_local_nodes(tmp_path):

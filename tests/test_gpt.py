@@ -455,6 +455,22 @@ def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path,
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "warmup", "said"),
+    [
+        (["--max_steps", "20"], 2, "the preset's warm-up cut to 2 steps from 20: 10% of --max_steps"),
+        (["--max_steps", "300"], 20, None),  # the preset's own run: as it was
+        (["--max_steps", "20", "--warmup_steps", "5"], 5, None),  # given: kept (resumed runs rely on it)
+    ],
+)
+def test_the_presets_warmup_is_at_most_a_tenth_of_the_run(args, warmup, said, capsys):
+    """--max_steps 20 with the preset's 20 warm-up steps would never reach the learning rate."""
+    _, parsed = import_gpt_module("config").parse_args([*args, "--model", "cpu"])
+    assert parsed.warmup_steps == warmup
+    out = capsys.readouterr().out
+    assert (said in out) if said else "warm-up cut" not in out, out
+
+
 def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_path):
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / "file").write_text("")

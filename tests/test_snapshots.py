@@ -55,6 +55,24 @@ def test_a_bad_snapshot_stops_the_run_and_is_left_untouched(good_snapshot, tmp_p
     assert not (tmp_path / "pwned").exists(), "loading must not run code"
 
 
+def test_a_snapshot_that_does_not_fit_is_explained_once_whole_and_last_under_mp_spawn(
+    good_snapshot, tmp_path
+):
+    """A tiny run's snapshot given to the vision workload: one process says why, with the keys themselves
+    (not a first line cut short), and mp.spawn adds no traceback after it."""
+    path = tmp_path / "snap.pt"
+    path.write_bytes(good_snapshot)
+    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16, "--workload", "vision", "--nproc", 2]
+    proc = run(example_cmd("multigpu", *args), timeout=300, check=False, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count(f"error: cannot resume from snapshot {path} (RuntimeError: ") == 1, out[-3000:]
+    assert 'Missing key(s) in state_dict: "conv1.weight"' in out, out[-3000:]
+    assert 'Unexpected key(s) in state_dict: "weight", "bias".). It is left untouched: move it away.' in out
+    assert "Traceback" not in out and "ProcessExitedException" not in out, out[-3000:]
+    assert path.read_bytes() == good_snapshot
+
+
 # sitecustomize for the example's process: its second torch.save writes half a file, then fails or dies
 HALF_A_SAVE = """
 import os, signal, torch

@@ -135,13 +135,42 @@ def route(host):
 
 
 def endpoint(value, seconds):
+    """Run before node 0's job (a pre-flight), nothing listens at ENDPOINT yet: what can be checked then is
+    the name, the route and that the host refuses the port (it is reachable) rather than staying silent;
+    once node 0's job runs, that a torch rendezvous store answers there."""
     try:
         host, port = split_endpoint(value)
-        route(host)
-        start = time.monotonic()
-        answer = store_answers(host, port, seconds)
     except ValueError as exc:
-        answer = exc
+        report("FAIL", "endpoint", f"{value}: the port is not a number ({exc})")
+        return
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        report("FAIL", "endpoint", f"{host} does not resolve ({exc}): use node 0's name or address")
+        return
+    report("PASS", "endpoint", f"{host} resolves to {address}")
+    route(host)
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+    except ConnectionRefusedError:
+        report(
+            "INFO",
+            "endpoint",
+            f"{address} refuses port {port}: it is reachable and nothing listens there yet, as expected "
+            "until node 0's job starts (it opens the port). Once it runs, run this again: then the store "
+            "must answer",
+        )
+        return
+    except OSError as exc:
+        report(
+            "FAIL",
+            "endpoint",
+            f"no answer from {address} port {port} within 2 s ({exc}): a firewall drops the connection, the "
+            "address is not node 0's, or a container network does not reach that host",
+        )
+        return
+    start = time.monotonic()
+    answer = store_answers(host, port, seconds)
     if answer is True:
         report(
             "PASS",
@@ -159,9 +188,8 @@ def endpoint(value, seconds):
         report(
             "FAIL",
             "endpoint",
-            f"no rendezvous store answers at {value} ({answer or 'refused, reset or no connection in 2 s'})."
-            " Usual causes: the address is not node 0's, a firewall blocks the port, the job on node 0 has"
-            " not started yet (it opens the port), or a container network that does not reach that host",
+            f"no rendezvous store answers at {value}: it accepted a connection, then refused or reset the "
+            "store's. Usual causes: node 0's job was stopping, or another program holds the port",
         )
 
 

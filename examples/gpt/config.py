@@ -36,6 +36,7 @@ POSITIVE = (
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
 SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
+WARMUP_FRACTION = 0.1  # a preset's warm-up takes at most this share of --max_steps: not all warm-up
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     args.model = args.model or ("gpt2" if cuda else "cpu")
+    preset_warmup = args.warmup_steps is None  # the preset's is capped below; one given is kept as given
     for key, value in PRESETS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -234,6 +236,13 @@ def parse_args(argv=None):
     args.decay_given = args.decay_steps is not None  # else a resumed run keeps its snapshot's
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    if preset_warmup and args.warmup_steps > (most := int(args.max_steps * WARMUP_FRACTION)):
+        if os.getenv("RANK", "0") == "0":
+            print(
+                f"the preset's warm-up cut to {most} steps from {args.warmup_steps}: "
+                f"{WARMUP_FRACTION:.0%} of --max_steps"
+            )
+        args.warmup_steps = most
     checks = [
         (
             args.n_embd % args.n_head == 0,

@@ -1,0 +1,138 @@
+"""Watch torchrun recover: the documented restart command, one worker killed after a snapshot, an account.
+
+    make fault-demo                      # in runs/fault-demo: the killed run, then an uninterrupted one
+
+Runs the restart command from the top of examples/multigpu_torchrun.py (with more samples, so that an epoch
+lasts long enough to interrupt), SIGKILLs rank 1 as soon as the first snapshot is on disk, lets torchrun
+restart the workers, then runs the same command uninterrupted in another folder and compares the two final
+snapshots bit for bit. Exit status 1 when the run did not recover or the weights differ.
+"""
+
+import argparse
+import ast
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LESSON = REPO / "examples" / "multigpu_torchrun.py"
+
+
+def documented_command():
+    """The `--max-restarts` line of the lesson's docstring, as the reader would copy it."""
+    doc = ast.get_docstring(ast.parse(LESSON.read_text())).replace("\\\n", " ")
+    line = next(line for line in doc.splitlines() if "--max-restarts" in line)
+    return line.split("#")[0].strip()
+
+
+def start(command, folder):
+    """Start the command in folder (its own copy of the lesson), echoing and keeping its output."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    shutil.copy(LESSON, folder)
+    words = shlex.split(command)
+    variables = dict(word.split("=", 1) for word in words if re.match(r"^[A-Z_]+=", word))
+    words = [word for word in words if not re.match(r"^[A-Z_]+=", word)]
+    env = {**os.environ, **variables, "PYTHONUNBUFFERED": "1"}
+    words[0] = str(Path(sys.executable).with_name("torchrun"))  # this environment's torchrun
+    proc = subprocess.Popen(
+        words, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            print(f"  | {line}", end="", flush=True)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return proc, lines, thread
+
+
+def worker_of_rank(agent, rank):
+    """The pid of torchrun's worker with RANK=rank (a child of the agent), or None."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent
+            ):
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    return int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def epochs_in(snapshot):
+    try:
+        return int(torch.load(snapshot, map_location="cpu", weights_only=True)["EPOCHS_RUN"])
+    except Exception:  # not there yet, or being renamed into place
+        return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="runs/fault-demo", help="where the two runs go (emptied first)")
+    parser.add_argument("--dataset_size", type=int, default=32768, help="samples: the length of an epoch")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds each run may take")
+    args = parser.parse_args()
+    if args.dataset_size <= 0 or args.timeout <= 0:
+        parser.error("--dataset_size and --timeout must be positive")
+    command = f"{documented_command()} --dataset_size {args.dataset_size}"
+    folder = Path(args.dir).resolve()
+    snapshot = folder / "killed" / "multigpu_torchrun_snapshot.pt"
+    print(f"fault demo: {command}", flush=True)
+    proc, lines, pump = start(command, folder / "killed")
+    deadline, killed = time.monotonic() + args.timeout, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if killed is None and (saved := epochs_in(snapshot)):
+            pid = worker_of_rank(proc.pid, 1)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = (pid, saved)
+                said = f"in epoch {saved + 1}, after the snapshot of epoch {saved}"
+                print(f"fault demo: SIGKILL to rank 1 (pid {pid}) {said}", flush=True)
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+        sys.exit(f"fault demo: error: the run did not end within --timeout {args.timeout:g} s")
+    pump.join()
+    out = "".join(lines)
+    if killed is None:
+        sys.exit("fault demo: error: the run ended before a worker could be killed: raise --dataset_size")
+    resumed = re.findall(r"resuming from \S+: (\d+) epochs already run", out)
+    print(
+        f"fault demo: the same command uninterrupted, for comparison, in {folder / 'uninterrupted'}",
+        flush=True,
+    )
+    clean, _, clean_pump = start(command, folder / "uninterrupted")
+    clean.wait(timeout=args.timeout)
+    clean_pump.join()
+    a = torch.load(snapshot, map_location="cpu", weights_only=True)
+    b = torch.load(folder / "uninterrupted" / snapshot.name, map_location="cpu", weights_only=True)
+    same = all(torch.equal(a["MODEL_STATE"][k], b["MODEL_STATE"][k]) for k in b["MODEL_STATE"])
+    same = same and a["EPOCHS_RUN"] == b["EPOCHS_RUN"]
+    pid, saved = killed
+    print("fault demo, in short:")
+    print(f"  rank 1 (pid {pid}) was killed in epoch {saved + 1}; the last snapshot held {saved} epochs")
+    restarted = "torchrun restarted the workers" if resumed else "torchrun did not restart the workers"
+    after = f"resumed from the snapshot of epoch {resumed[0]}" if resumed else "did not resume"
+    print(f"  {restarted}; they {after}, and the run exited {proc.returncode}")
+    print(f"  final weights {'equal' if same else 'DIFFER from'} an uninterrupted run's, bit for bit")
+    sys.exit(0 if proc.returncode == 0 and resumed == [str(saved)] and same else 1)
+
+
+if __name__ == "__main__":
+    main()
