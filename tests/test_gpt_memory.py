@@ -60,15 +60,28 @@ def accum(tmp_path_factory, cache):
 
 
 # ---- accumulation under FSDP: gradients reduce-scattered every micro-batch -----------------------------
-def test_fsdp_accumulation_keeps_gradients_sharded_and_equals_one_process(accum, one):
+def assert_gradients_sharded_and_one_process(cwd, one, replicas):
     whole = memory_records(one)[0]
-    ranks = memory_records(accum)
-    assert len(ranks) == 2
-    # counted after every micro-batch's backward: each process holds the gradients of its shards only,
-    # the two halves of the model's
+    ranks = memory_records(cwd)
+    # counted after every micro-batch's backward: each process holds the gradients of its shards only, and
+    # the shards of one replica add up to the model's
     assert [m["grads_bytes"] for m in ranks] == [m["params_bytes"] for m in ranks], ranks
-    assert sum(m["grads_bytes"] for m in ranks) == whole["grads_bytes"] == whole["params_bytes"], ranks
-    assert_same_state(saved(accum), saved(one), 1e-5)
+    assert sum(m["grads_bytes"] for m in ranks) == replicas * whole["grads_bytes"], ranks
+    assert whole["grads_bytes"] == whole["params_bytes"]
+    assert_same_state(saved(cwd), saved(one), 1e-5)
+
+
+def test_fsdp_accumulation_keeps_gradients_sharded_and_equals_one_process(accum, one):
+    assert len(memory_records(accum)) == 2
+    assert_gradients_sharded_and_one_process(accum, one, replicas=1)
+
+
+def test_hsdp_accumulation_keeps_gradients_sharded_and_equals_one_process(tmp_path, cache, one):
+    # 2 replicas of 2 shards, 1 sequence x 4 micro-batches each: only the replicas' all-reduce waits
+    args = ["--dp_replicate", 2, "--dp_shard", 2, "--batch_size", 1, "--grad_accum", 4]
+    train(tmp_path, cache, *STEPS, *args, nproc=4)
+    assert len(memory_records(tmp_path)) == 4
+    assert_gradients_sharded_and_one_process(tmp_path, one, replicas=2)
 
 
 # ---- activation checkpointing: the same run, fewer activations kept -------------------------------------

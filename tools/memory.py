@@ -38,7 +38,10 @@ THEORY = {
     "pp": (None, "the layers of one stage"),
     "hsdp": ((0.5, 0.5, 0.5), "everything 1/2: sharded over dp_shard 2, replicated over dp_replicate 2"),
     "fsdp x tp": (None, "block linears 1/4 (tp 2, then dp_shard 2), embeddings and norms 1/2"),
-    "pp x fsdp": (None, "one stage's layers, 1/2 of them"),
+    "pp x fsdp": (
+        None,
+        "one stage's layers, 1/2 of them; its gradients whole between the pipeline's micro-batches",
+    ),
     "pp x ddp": (None, "one stage's layers, whole"),
 }
 # Accumulation, on any number of processes: the gradients between micro-batches.
