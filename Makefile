@@ -194,9 +194,8 @@ lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes schemas, the TrainJob CRD
 	$(PY) tools/k8s_check.py
 
-pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3.11 and 3.12)
-	$(VENV)/bin/uv pip compile -q --universal --python-version 3.11 --no-header --no-annotate \
-	  tools/requirements.in -o requirements.txt
+pins: $(ENV) ## re-resolve requirements.txt, its groups runtime, ray and dev, from tools/requirements.in
+	$(PY) tools/pins.py compile --uv $(VENV)/bin/uv
 
 clean: ## remove snapshots, logs and caches
 	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt gpt_snapshot metrics.jsonl
