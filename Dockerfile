@@ -6,6 +6,8 @@
 # torchrun jobs pulls, and `--target ray`, the same plus Ray (compose/ray.yaml):
 #   docker build --target ray -t ddp-examples-ray .
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
+# Packages of the lock that the image leaves out (below)
+ARG LEAVE_OUT=triton
 FROM ${BASE_IMAGE} AS runtime
 
 ARG USER_NAME=ddp
@@ -28,13 +30,17 @@ ENV VIRTUAL_ENV=/opt/venv \
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv ca-certificates libibverbs1 ibverbs-providers librdmacm1 ibverbs-utils \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
     && python3 -m venv "$VIRTUAL_ENV" \
     && useradd --create-home --shell /bin/bash "$USER_NAME" \
     && mkdir -p /app/runs /snapshots /data \
     && chown "$USER_NAME:$USER_NAME" /app /app/runs /snapshots /data
 
 # Dependencies before the examples: editing an example only rebuilds the last layers.
+# LEAVE_OUT: triton (0.69 GB) is torch.compile's GPU code generator, and it builds every kernel's launcher
+# with a C compiler, which this image does not carry: it could not run here. Images that add a compiler
+# for torch.compile build with --build-arg LEAVE_OUT= to keep it.
+ARG LEAVE_OUT
 COPY requirements.txt tools/pins.py docker/install-pins.sh /tmp/pins/
 RUN /tmp/pins/install-pins.sh runtime \
     && python -c 'import torch, torchvision, accelerate; print("torch", torch.__version__)'
@@ -50,6 +56,7 @@ CMD ["python", "examples/multinode.py", "--help"]
 # The Ray image: the runtime image plus the ray pins, in one more layer.
 FROM runtime AS ray
 ARG USER_NAME=ddp
+ARG LEAVE_OUT
 # hadolint ignore=DL3066
 USER root
 COPY requirements.txt tools/pins.py docker/install-pins.sh /tmp/pins/

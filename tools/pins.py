@@ -1,8 +1,9 @@
-"""The pin groups: tools/requirements.in lists direct dependencies under `# group: NAME` lines; requirements.txt
-is their one lock, every pin under the first group that needs it (runtime, then ray, then dev).
+"""The pin groups: tools/requirements.in lists direct dependencies under `# group: NAME` lines;
+requirements.txt is their one lock, every pin under the first group that needs it (runtime, ray, then dev).
 
     python tools/pins.py compile                 re-resolve requirements.txt (`make pins`; needs uv)
     python tools/pins.py select runtime ray      print the pins of these groups (what the image installs)
+    python tools/pins.py select runtime --leave-out triton      ... all but these packages
 
 compile resolves all the groups together, then each run of groups from the first (runtime; runtime + ray)
 constrained to that lock, so that every group gets the same versions as `make env` installs. select uses
@@ -79,6 +80,7 @@ def main(argv=None):
     pick = sub.add_parser("select", help="print the pins of these groups")
     pick.add_argument("groups", nargs="+", metavar="GROUP")
     pick.add_argument("--lock", type=Path, default=LOCK, help="default: requirements.txt")
+    pick.add_argument("--leave-out", nargs="*", default=[], metavar="NAME", help="packages to leave out")
     args = parser.parse_args(argv)
     if args.command == "compile":
         return compile_lock(args.uv)
@@ -86,7 +88,13 @@ def main(argv=None):
     unknown = [name for name in args.groups if name not in pins]
     if unknown:
         pick.error(f"no group {', '.join(unknown)} in {args.lock}; groups: {', '.join(pins)}")
-    print("\n".join(pin for name in args.groups for pin in pins[name]))
+    chosen = [pin for name in args.groups for pin in pins[name]]
+    names = {re.split(r"[=<>!~; \[]", pin, maxsplit=1)[0].lower(): pin for pin in chosen}
+    missing = [name for name in args.leave_out if name.lower() not in names]
+    if missing:
+        pick.error(f"--leave-out {', '.join(missing)}: not pinned in {', '.join(args.groups)}")
+    left_out = {names[name.lower()] for name in args.leave_out}
+    print("\n".join(pin for pin in chosen if pin not in left_out))
     return 0
 
 
