@@ -34,6 +34,7 @@ SHELL := bash
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
 #                                      make image BASE_IMAGE=local/ddp-base:bookworm
+# make image-ray [BASE_IMAGE=...]      build $(RAY_IMAGE), the image plus Ray (compose/ray.yaml)
 # make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers;
 #   NODE0_NPROC=2 NODE1_NPROC=1 for uneven nodes, LINK_RATE=100mbit [LINK_DELAY=5ms] for a slower link.
 #   They run the Compose project of `docker compose up` (named ddp in compose.yaml): `make two-node-down`
@@ -41,6 +42,7 @@ SHELL := bash
 # make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, dataparallel, torchrun,
 #                                      multinode, accelerate) inside $(IMAGE) instead of $(VENV)
 IMAGE ?= ddp-examples:latest
+RAY_IMAGE ?= ddp-examples-ray:latest
 BASE_IMAGE ?=
 LOCAL_BASE ?= local/ddp-base:bookworm
 COMPOSE ?= docker compose
@@ -77,7 +79,7 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
 
-env: $(ENV) ## create the pinned Python environment in $(VENV)
+env: $(ENV) ## create the pinned Python environment in $(VENV): every group of requirements.txt
 
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch's sources anew
 $(ENV): requirements.txt
@@ -136,10 +138,13 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 # ==== end GPT ============================================================================================
 
 # ---- Docker and two nodes (variables above) ----
-.PHONY: image base-image two-node two-node-cpu two-node-accelerate two-node-down
+.PHONY: image image-ray base-image two-node two-node-cpu two-node-accelerate two-node-down
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
-	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+
+image-ray: ## the image plus Ray, for compose/ray.yaml (RAY_IMAGE=ddp-examples-ray:latest)
+	docker build --target ray $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(RAY_IMAGE) .
 
 base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...
 	docker/build-base.sh $(LOCAL_BASE)
