@@ -78,8 +78,14 @@ def test_without_an_address_a_cluster_is_started_for_the_run_and_stopped_after(t
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
     try:  # (a short path: Ray's socket names must fit in 107 bytes)
         proc = train(
-            tmp_path, 2, 1, "--nproc", NPROC, address=None, env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}
-        )
+            tmp_path,
+            2,
+            1,
+            "--nproc",
+            NPROC,
+            address=None,
+            env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp},
+        )  # HOME: the token such a cluster saves in ~/.ray stays in that folder too
         log = log_of(proc.stdout)
         assert "Started a local Ray instance" in proc.stdout, proc.stdout[-3000:]
         assert log.epochs == [1, 2] and sorted(log.ranks) == list(range(NPROC)), proc.stdout[-3000:]
