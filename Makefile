@@ -34,6 +34,7 @@ SHELL := bash
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
 #                                      make image BASE_IMAGE=local/ddp-base:bookworm
+# make image-ray [BASE_IMAGE=...]      build $(RAY_IMAGE), the image plus Ray (compose/ray.yaml)
 # make two-node | two-node-cpu | two-node-accelerate [ACCEL_GPU=1]      node0 and node1 in containers;
 #   NODE0_NPROC=2 NODE1_NPROC=1 for uneven nodes, LINK_RATE=100mbit [LINK_DELAY=5ms] for a slower link.
 #   They run the Compose project of `docker compose up` (named ddp in compose.yaml): `make two-node-down`
@@ -41,6 +42,7 @@ SHELL := bash
 # make STEP IN_DOCKER=1                any step above (single_gpu, multigpu, dataparallel, torchrun,
 #                                      multinode, accelerate) inside $(IMAGE) instead of $(VENV)
 IMAGE ?= ddp-examples:latest
+RAY_IMAGE ?= ddp-examples-ray:latest
 BASE_IMAGE ?=
 LOCAL_BASE ?= local/ddp-base:bookworm
 COMPOSE ?= docker compose
@@ -77,7 +79,7 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
 
-env: $(ENV) ## create the pinned Python environment in $(VENV)
+env: $(ENV) ## create the pinned Python environment in $(VENV): every group of requirements.txt
 
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch's sources anew
 $(ENV): requirements.txt
@@ -146,11 +148,14 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 # ==== end GPT ============================================================================================
 
 # ---- Docker and two nodes (variables above) ----
-.PHONY: image image-current base-image two-node two-node-cpu two-node-accelerate two-node-down
+.PHONY: image image-ray image-current base-image two-node two-node-cpu two-node-accelerate two-node-down
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
-	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
+	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
 	  --label ddp.base=$(or $(BASE_IMAGE),default) -t $(IMAGE) .
+
+image-ray: ## the image plus Ray, for compose/ray.yaml (RAY_IMAGE=ddp-examples-ray:latest)
+	docker build --target ray $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(RAY_IMAGE) .
 
 # What the image is built from (the files .dockerignore lets in, and the Dockerfile), as one checksum that
 # `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the image is missing,
@@ -158,7 +163,7 @@ image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... repl
 # `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a machine without
 # a registry that built on local/ddp-base:bookworm keeps building on it.
 IMAGE_SUM = $(shell find Dockerfile .dockerignore requirements.txt examples tools/doctor.py tools/launch.py \
-  docker/ray-node.sh -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort | xargs sha256sum \
+  tools/pins.py docker/install-pins.sh docker/ray-node.sh -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort | xargs sha256sum \
   | sha256sum | cut -c1-16)
 image-current: ## build the image only when it is missing or out of date (the two-node targets use this)
 	@labels=$$(docker image inspect -f '{{index .Config.Labels "ddp.inputs"}} {{index .Config.Labels "ddp.base"}}' \
@@ -232,9 +237,8 @@ lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes schemas, the TrainJob CRD
 	$(PY) tools/k8s_check.py
 
-pins: $(ENV) ## re-resolve requirements.txt from tools/requirements.in (Python 3.11 and 3.12)
-	$(VENV)/bin/uv pip compile -q --universal --python-version 3.11 --no-header --no-annotate \
-	  tools/requirements.in -o requirements.txt
+pins: $(ENV) ## re-resolve requirements.txt, its groups runtime, ray and dev, from tools/requirements.in
+	$(PY) tools/pins.py compile --uv $(VENV)/bin/uv
 
 clean: ## remove snapshots, logs and caches
 	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt gpt_snapshot metrics.jsonl

@@ -1,6 +1,6 @@
 """Step 3 with Ray Train: multigpu_torchrun.py again, Ray Train starting the processes and their group.
 
-ray start --head --num-cpus=2; python multigpu_ray.py 10 5 --nproc 2; ray stop    # --address HOST:PORT
+python multigpu_ray.py 10 5    # a Ray cluster here for the run; on one: --address HOST:PORT or RAY_ADDRESS
 """
 
 import argparse
@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 def run_on_ray(parser, args):
     """The driver: join the Ray cluster at --address, check that it can place the workers, start them."""
     try:  # ray.init would wait for minutes where nothing answers: knock first, for --timeout seconds
-        socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()  # HOST:PORT
+        if args.address:  # HOST:PORT; none: ray.init() starts a cluster here, stopped when the script ends
+            socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()
     except (OSError, ValueError) as exc:
         parser.error(f"no Ray cluster answers at {args.address} ({exc}): start one with ray start --head")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # print every rank's lines, not one of those alike
@@ -191,7 +192,7 @@ def check_replicas(model, trained):
 if __name__ == "__main__":
     parser = get_parser()
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2, help="GPUs, or 2")
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "localhost:6379"), help="Ray head")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None, help="Ray head HOST:PORT")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the Ray head")
     args = parser.parse_args()
     check_args(parser, args)

@@ -244,6 +244,15 @@ def image(compose):
     return IMAGE
 
 
+@pytest.fixture(scope="session")
+def ray_image(image):
+    """The image's ray target (compose/ray.yaml): the project image's layers plus the ray pins."""
+    tag = IMAGE.replace("ddp-examples", "ddp-examples-ray")
+    build = ["docker", "build", "-q", "--target", "ray", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}"]
+    run([*build, "-t", tag, REPO], timeout=1800)
+    return tag
+
+
 class ComposeProject:
     """One Compose project (containers, network, snapshot volume) with a unique name, removed at the end."""
 
@@ -363,6 +372,64 @@ def test_the_two_node_targets_and_in_docker_steps_build_only_when_needed():
     assert re.search(r"^multigpu: image-current$", docker_steps, re.M)
 
 
+# The image every node pulls: the runtime pins only, no developer tools, nothing compiled or written at start.
+DEV_TOOLS = ["pytest", "ruff", "kubectl", "hadolint", "shellcheck", "uv"]
+NOT_IN_IMAGE = ["pytest", "ruff", "ray", "matplotlib", "kubernetes_validate"]  # Python packages
+TORCHRUN2 = "torchrun --standalone --nproc-per-node=2"
+GPT_TINY = "--n_layer 2 --n_head 2 --n_embd 64 --block_size 64 --eval_samples 32 --sample_chars 0"
+IN_IMAGE = {  # each lesson for 1 epoch and the GPT trainer for 4 steps, what each prints when it ends well
+    "examples/single_gpu.py 1 1": "epoch 1/1 |",
+    "examples/multigpu.py 1 1 --nproc 2": "weights identical on 2 of 2 ranks",
+    "examples/multigpu_dataparallel.py --help": "usage: multigpu_dataparallel.py",  # needs 2 GPUs to train
+    f"{TORCHRUN2} examples/multigpu_torchrun.py 1 1": "weights identical on 2 of 2 ranks",
+    f"{TORCHRUN2} examples/multinode.py 1 1": "weights identical on 2 of 2 ranks",
+    f"{TORCHRUN2} examples/multigpu_accelerate.py 1 1": "weights identical on 2 of 2 ranks",
+    f"{TORCHRUN2} examples/gpt/train.py --max_steps 4 {GPT_TINY}": "replicas identical: 2 copies",
+}
+
+
+def test_the_image_holds_no_developer_tools(image):
+    script = f"for t in {' '.join(DEV_TOOLS)}; do command -v $t; done; python -c " + repr(
+        f"import importlib.util as u; print(*[m for m in {NOT_IN_IMAGE} if u.find_spec(m)])"
+    )
+    found = run(["docker", "run", "--rm", "--entrypoint", "bash", image, "-c", script], timeout=120).stdout
+    assert not found.split(), f"in the image: {found}"
+
+
+def test_every_lesson_and_the_gpt_trainer_run_in_the_image_from_its_bytecode(image):
+    """Each lesson (Ray's has its own image) and the GPT trainer train in the image; Python loads
+    the venv's and the examples' bytecode compiled at build time, and no process writes into the venv."""
+    name = f"ddp-lessons-{os.getpid()}"
+    script = "set -e; " + "".join(f"echo '>>> {cmd}'; python {cmd}; " for cmd in IN_IMAGE).replace(
+        "python torchrun", "torchrun"
+    )
+    imports = "import sys; sys.path[:0] = ['examples/gpt']; import torchvision, accelerate, train"
+    script += f"echo '>>> loaded'; python -v -c {imports!r} 2>&1 | grep '^# code object from'"
+    try:
+        proc = run(["docker", "run", "--name", name, "--entrypoint", "bash", image, "-c", script],
+                   timeout=900, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        for cmd, done in IN_IMAGE.items():
+            part = proc.stdout.split(f">>> {cmd}\n", 1)[1].split(">>> ", 1)[0]
+            assert done in part, f"{cmd}:\n{part[-2000:]}"
+        changed = run(["docker", "diff", name], timeout=60).stdout.split("\n")
+        assert not [line for line in changed if "/opt/venv" in line], changed
+    finally:
+        run(["docker", "rm", "-f", name], timeout=60, check=False)
+    loaded = proc.stdout.split(">>> loaded\n", 1)[1]
+    from_source = re.findall(r"code object from '?(/(?:opt/venv|app)/\S+\.py)'?$", loaded, re.M)
+    assert len(re.findall(r"\.pyc'?$", loaded, re.M)) > 1000 and not from_source, from_source[:20]
+
+
+def test_the_image_carries_the_rdma_userspace_nccl_loads(image):
+    """libibverbs (NCCL opens libibverbs.so.1 for InfiniBand and RoCE), the adapters' providers, librdmacm,
+    and ibv_devinfo to list the adapters."""
+    code = "import ctypes; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('librdmacm.so.1'); print('loaded')"
+    script = f"python -c {code!r} && ls /usr/lib/*/libibverbs/ && command -v ibv_devinfo"
+    out = run(["docker", "run", "--rm", "--entrypoint", "bash", image, "-c", script], timeout=120).stdout
+    assert "loaded" in out and "libmlx5" in out and "ibv_devinfo" in out, out
+
+
 # Real runs: the first one also waits for the image build (minutes on a cold machine).
 SLOW = pytest.mark.timeout(1800)
 
@@ -453,6 +520,7 @@ def test_ray_variant_runs_the_ray_example_on_a_head_and_a_worker_node(compose):
         "services"
     ]
     node0, node1 = services["node0"], services["node1"]
+    assert node0["build"]["target"] == "ray" and node0["image"] == node1["image"] == "ddp-examples-ray:latest"
     assert node0["entrypoint"] == ["tools/ray-node.sh", "head"]
     assert node0["command"][0] == "examples/multigpu_ray.py"
     assert f"--snapshot_path={SNAPSHOTS['ray']}" in node0["command"]
@@ -468,10 +536,10 @@ def test_gpt_variant_runs_the_gpt_trainer(compose):
 
 
 @SLOW
-def test_ray_across_two_containers(project):
+def test_ray_across_two_containers(project, ray_image):
     """Plain `up` with compose/ray.yaml: a Ray head on node0 and a worker node on node1 train with 2 workers
     each; when training ends both containers exit, with status 0, none left waiting."""
-    proj = project(VARIANTS["ray-cpu"])
+    proj = project(VARIANTS["ray-cpu"], DDP_RAY_IMAGE=ray_image)
     start = time.monotonic()
     proc = proj("up", timeout=900, check=False)
     print(f"ray-cpu: compose run {time.monotonic() - start:.0f} s")

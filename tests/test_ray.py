@@ -7,6 +7,7 @@
 import re
 import shutil
 import socket
+import tempfile
 
 import psutil
 import pytest
@@ -33,10 +34,10 @@ def log_of(text):
     return TrainLog(without_ray_prefixes(text))
 
 
-def leftovers(text):
+def leftovers(text, folder=None):
     """Processes still alive that the run's Ray started: the head's own (their command lines name its
-    folder) and the actors whose lines the output shows."""
-    folder = HEAD_RE.search(text).group(2)
+    folder, by default the one tools/ray_local.py printed) and the actors whose lines the output shows."""
+    folder = folder or HEAD_RE.search(text).group(2)
     pids = {int(pid) for pid in RAY_PREFIX_RE.findall(text)}
     alive = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
@@ -64,11 +65,33 @@ def uninterrupted(tmp_path_factory):
     return proc.stdout, runs / "ray" / "snapshot.pt"
 
 
-def train(folder, *args, address, check=True):
-    """The script, copied alone into folder, run there on the cluster at address."""
+def train(folder, *args, address, check=True, env=None):
+    """The script, copied alone into folder, run there on the cluster at address (None: no --address)."""
     script = shutil.copy(EXAMPLES / "multigpu_ray.py", folder)
-    cmd = [PYTHON, script, *args, "--address", address]
-    return run(cmd, timeout=300, cwd=folder, check=check)
+    cmd = [PYTHON, script, *args, *(["--address", address] if address else [])]
+    return run(cmd, timeout=300, cwd=folder, check=check, env=env)
+
+
+def test_without_an_address_a_cluster_is_started_for_the_run_and_stopped_after(tmp_path):
+    """`python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
+    cluster starts on this machine for the run and is gone when the script ends."""
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
+    try:  # (a short path: Ray's socket names must fit in 107 bytes)
+        proc = train(
+            tmp_path,
+            2,
+            1,
+            "--nproc",
+            NPROC,
+            address=None,
+            env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp},
+        )  # HOME: the token such a cluster saves in ~/.ray stays in that folder too
+        log = log_of(proc.stdout)
+        assert "Started a local Ray instance" in proc.stdout, proc.stdout[-3000:]
+        assert log.epochs == [1, 2] and sorted(log.ranks) == list(range(NPROC)), proc.stdout[-3000:]
+        assert not leftovers(proc.stdout, folder=ray_tmp)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_make_ray_trains_on_a_cluster_it_starts_and_stops(uninterrupted):
@@ -102,7 +125,8 @@ def test_a_stopped_run_resumes_to_the_bits_of_an_uninterrupted_one(cluster, unin
     args = ["--batch_size", BATCH, "--nproc", NPROC, *COMMON, "--metrics_path", "metrics.jsonl"]
     first = train(tmp_path, 2, 2, *args, address=cluster.address)
     assert log_of(first.stdout).epochs == [1, 2]
-    second = train(tmp_path, EPOCHS, 2, *args, address=cluster.address)
+    second = train(tmp_path, EPOCHS, 2, *args, address=None, env={"RAY_ADDRESS": cluster.address})
+    assert "Started a local Ray instance" not in second.stdout, "RAY_ADDRESS names the cluster to join"
     resumed = log_of(second.stdout)
     assert "resuming from multigpu_ray_snapshot.pt: 2 epochs already run" in resumed.text
     assert resumed.epochs == [3, 4] and resumed.losses == log_of(text).losses[2:]
@@ -157,7 +181,7 @@ def test_a_refused_address_is_named_at_once(tmp_path):
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    proc = train(tmp_path, 2, 1, "--timeout", 600, address=address, check=False)
+    proc = train(tmp_path, 2, 1, "--timeout", 600, address=None, env={"RAY_ADDRESS": address}, check=False)
     assert proc.returncode == 2 and f"no Ray cluster answers at {address} (" in proc.stdout, proc.stdout
     assert "Connection refused" in proc.stdout
 

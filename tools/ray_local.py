@@ -21,6 +21,10 @@ from pathlib import Path
 from steps import free_port
 
 READY = "Ray runtime started"  # what `ray start` prints once the head takes work
+# Once a cluster started by ray.init() has saved a token in ~/.ray/auth_token, `ray start` turns token
+# authentication on while a driver given an address sends none, and is refused (InvalidAuthToken). This
+# cluster serves one command on this machine: authentication off for the head and that command alike.
+AUTH_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 class LocalRay:
@@ -40,8 +44,8 @@ class LocalRay:
             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.folder}",
             *(f"{name}={port}" for name, port in ports.items()),
         ]  # fmt: skip
-        # no 30 s "drain" on SIGTERM: nothing here needs it
-        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        # no 30 s "drain" on SIGTERM: nothing here needs it; AUTH_ENV: see below
+        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **AUTH_ENV}
         self.log = Path(self.folder) / "start.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -98,7 +102,7 @@ def main(argv=None):
         sys.exit(f"error: {exc}")
     print(f"Ray head at {ray.address} ({ray.folder}), up in {time.monotonic() - start:.0f} s", flush=True)
     try:
-        return subprocess.call(command, env={**os.environ, "RAY_ADDRESS": ray.address})
+        return subprocess.call(command, env={**os.environ, "RAY_ADDRESS": ray.address, **AUTH_ENV})
     finally:
         ray.stop()
         print(f"Ray head at {ray.address} stopped", flush=True)
