@@ -6,6 +6,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -231,6 +232,24 @@ def import_gpt_module(name):
         return module
     finally:
         sys.path.remove(folder)
+
+
+# single_gpu.py's run that DDP with 2 processes of batch 32 must equal, step for step: run once per session
+# (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
+REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
+REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
+EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
+
+
+@pytest.fixture(scope="session")
+def single_gpu_reference(tmp_path_factory):
+    """(folder, output) of single_gpu.py run from a copy alone in an empty folder (so nothing else can be
+    imported), REFERENCE_EPOCHS epochs of the global batch REFERENCE_BATCH, a snapshot every 2."""
+    folder = tmp_path_factory.mktemp("single_gpu")
+    script = shutil.copy(EXAMPLES / "single_gpu.py", folder)
+    args = [REFERENCE_EPOCHS, 2, "--batch_size", REFERENCE_BATCH, *REFERENCE_ARGS]
+    proc = run(example_cmd("single_gpu", *args, script=script), timeout=300, cwd=folder, env=EXIT_PROBE)
+    return folder, proc
 
 
 def load_snapshot(path):

@@ -9,6 +9,10 @@ import pytest
 import torch
 from conftest import (
     EXAMPLES,
+    EXIT_PROBE,
+    REFERENCE_ARGS,
+    REFERENCE_BATCH,
+    REFERENCE_EPOCHS,
     REPO,
     VENV,
     TrainLog,
@@ -22,13 +26,14 @@ from conftest import (
     steps,
 )
 
-# Per-process batch size and world size of the DDP runs; single_gpu gets their product as its batch.
+# Per-process batch size and world size of the DDP runs; single_gpu (the session's reference run, shared
+# with tests/test_ray.py) gets their product as its batch.
 BATCH, NPROC = 32, 2
-EPOCHS = 4
+EPOCHS = REFERENCE_EPOCHS
+assert BATCH * NPROC == REFERENCE_BATCH
 # Momentum gives the optimizer a state of its own, which the snapshot must carry for an exact resume.
-COMMON = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
+COMMON = REFERENCE_ARGS
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
-EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
 
 
 class Run:
@@ -40,10 +45,10 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, single_gpu_reference):
     """Each example trained once, from a copy alone in an empty folder (so nothing else can be imported)."""
-    results = {}
-    for name in ["single_gpu", *DDP_EXAMPLES]:
+    results = {"single_gpu": Run("single_gpu", *single_gpu_reference)}
+    for name in DDP_EXAMPLES:
         folder = tmp_path_factory.mktemp(name)
         script = shutil.copy(EXAMPLES / f"{name}.py", folder)
         batch = BATCH * NPROC if name == "single_gpu" else BATCH
