@@ -4,9 +4,20 @@
 EPOCHS ?= 10
 SAVE_EVERY ?= 5
 ARGS ?=
+# GPUs: those CUDA_VISIBLE_DEVICES names where it is set (set and empty: none, the CPU; the tests hide the
+# GPUs so), else the ones nvidia-smi lists; GPUS=0 on the command line also means the CPU.
 # Processes per node: one per GPU, or 2 on a machine without GPUs.
+comma := ,
+ifeq ($(origin GPUS),undefined)
+ifeq ($(origin CUDA_VISIBLE_DEVICES),undefined)
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+else
+GPUS := $(words $(subst $(comma), ,$(CUDA_VISIBLE_DEVICES)))
+endif
+endif
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+# multinode's rendezvous port on localhost (default: a free one)
+RDZV_PORT ?=
 # For `make doctor`: a rendezvous HOST:PORT to try to reach.
 ENDPOINT ?=
 # Where snapshots and logs go, one folder per target.
@@ -20,7 +31,8 @@ TORCHRUN := $(PY) -m torch.distributed.run
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
 # $(call step,EXAMPLE): start a step as tools/steps.py builds it (the tests and the bench use it too)
-step = mkdir -p $(RUNS)/$@ && $(PYTHON3) tools/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) --python '$(PY)' -- $(TRAIN_ARGS)
+step = mkdir -p $(RUNS)/$@ && $(PYTHON3) tools/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
+  $(if $(RDZV_PORT),--port $(RDZV_PORT)) --python '$(PY)' -- $(TRAIN_ARGS)
 STEPS := single_gpu multigpu multigpu_torchrun multinode
 # $(call retry,COMMAND): up to three tries, for downloads through a flaky network.
 retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; test -n "$$ok"

@@ -1,20 +1,28 @@
 """Shared helpers for the test suite: paths, running commands with a bound, reading the examples' output."""
 
+import fcntl
 import importlib.util
 import os
+import random
 import re
+import secrets
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import pytest_timeout
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import steps  # noqa: E402  (tools/steps.py: how each step is started, shared with the Makefile and the bench)
 
-free_port = steps.free_port
 EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
@@ -69,28 +77,100 @@ def assert_world(text, per_host):
 GPUS = torch.cuda.device_count()
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
 needs_gpu = pytest.mark.skipif(not GPUS, reason="no CUDA GPU visible to torch")
+# The one way a CPU test hides the GPUs, whatever the machine has: torch, the lessons, tools/steps.py and the
+# Makefile (its GPUS counts the devices CUDA_VISIBLE_DEVICES names when it is set) all honour it.
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+# This run of the suite, unique among runs on one machine: names of namespaces, images, Compose projects.
+RUN_ID = secrets.token_hex(3)
+# Every process the suite starts inherits this variable; at the end of the session none may be left alive.
+SESSION_VAR = "DDP_TEST_SESSION"
+os.environ[SESSION_VAR] = f"{os.getpid()}-{RUN_ID}"
+# pytest-timeout's bound of the running test (its own bounds stay below it): a time.monotonic() deadline
+_deadline = [float("inf")]
+PORT_LOCKS = Path(tempfile.gettempdir()) / "ddp-test-ports"
+_held_ports = {}  # port -> the open lock file that holds it for this session
+
+
+def free_port():
+    """A TCP port that nothing listens on, reserved for this session until it ends: below the kernel's
+    ephemeral range (so no outgoing connection is given it while the process that listens on it starts),
+    never handed out twice in a session, and locked (flock on a file in PORT_LOCKS) against other runs of
+    the suite on this machine."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        if port in _held_ports:
+            continue
+        lock = (PORT_LOCKS / f"{port}.lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:  # nothing (outside the suite) listens on it now
+                s.bind(("", port))
+        except OSError:
+            lock.close()
+            continue
+        _held_ports[port] = lock
+        return port
+    raise RuntimeError("no free port below the ephemeral range after 200 tries")
+
+
+def free_subnet():
+    """The first three octets of a 10.x.y.0/24 that no interface of this machine uses: namespaces and
+    bridges of one run do not meet another run's."""
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=10).stdout
+    for _ in range(200):
+        subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 255)}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError("no free 10.x.y.0/24 subnet after 200 tries")
+
+
+def kill_group(proc):
+    """SIGKILL the process group that proc leads (it and every child that did not leave it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def popen(cmd, *, env=None, cpu=True, **kwargs):
+    """Popen cmd in a process group of its own (killed as one by kill_group), on the CPU unless cpu=False,
+    with env added to this process's environment."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(CPU_ENV if cpu else {}), **(env or {})}
+    return subprocess.Popen([str(c) for c in cmd], env=full_env, start_new_session=True, **kwargs)
+
+
+def bound(timeout):
+    """timeout, or less where pytest-timeout would stop the test first: a command's bound then fires 15 s
+    before it, and kills the command's process group with the output shown."""
+    return max(1.0, min(timeout, _deadline[0] - time.monotonic() - 15))
 
 
 def run(cmd, *, timeout, check=True, env=None, **kwargs):
-    """Run cmd, capture stdout+stderr as text, fail the test with the output on error or timeout."""
-    # CPU only by default, so that the same assertions hold on a machine with GPUs (2 processes on 1 GPU)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    """Run cmd in its own process group, capture stdout+stderr as text, fail the test with the output on
+    error or timeout; on timeout or failure the whole group (torchrun's workers, make's children) is killed.
+    CPU only (CPU_ENV) unless env says otherwise, so that the same assertions hold on a machine with GPUs."""
+    limit = bound(timeout)
+    proc = popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
     try:
-        proc = subprocess.run(
-            [str(c) for c in cmd],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            env=full_env,
-            **kwargs,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        try:  # a child that left the group could hold the pipe open: do not wait for it forever
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out = "(output not available: a process outside the group holds the pipe)"
+        who = "" if limit == timeout else f" (its own bound {timeout}s, cut to end before pytest-timeout)"
+        pytest.fail(f"timed out after {limit:.0f}s{who}: {' '.join(map(str, cmd))}\n{(out or '')[-4000:]}")
+    except BaseException:  # pytest-timeout, Ctrl-C: no process left behind
+        kill_group(proc)
+        proc.wait()
+        raise
     if check and proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.stdout[-6000:]}")
-    return proc
+        kill_group(proc)  # what it started and left behind
+        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{out[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
 class TrainLog:
@@ -120,11 +200,10 @@ class TrainLog:
 
 def start_torchrun_agent(cmd, cwd, env=None):
     """Popen a torchrun that may restart its workers: they must not reuse the agent's store (torch 2.13),
-    or gloo dials the old round's ports. Output in .stdout; CPU only unless env says otherwise."""
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.Popen(
-        [str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    or gloo dials the old round's ports. Output in .stdout; CPU only unless env says otherwise; a process
+    group of its own."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def need(available, reason, require_var):
@@ -138,7 +217,8 @@ def need(available, reason, require_var):
 
 def example_cmd(name, *args, nproc=2, script=None):
     """The command that starts an example the way it is meant to be started (plain, spawn or torchrun)."""
-    return steps.command(name, args, nproc=nproc, script=script, root=REPO)[0]
+    port = free_port() if steps.STEPS[name] == "nodes" else None  # multinode's rendezvous
+    return steps.command(name, args, nproc=nproc, script=script, port=port, root=REPO)[0]
 
 
 def import_gpt_module(name):
@@ -154,5 +234,81 @@ def import_gpt_module(name):
         sys.path.remove(folder)
 
 
+# single_gpu.py's run that DDP with 2 processes of batch 32 must equal, step for step: run once per session
+# (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
+REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
+REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
+EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
+
+
+@pytest.fixture(scope="session")
+def single_gpu_reference(tmp_path_factory):
+    """(folder, output) of single_gpu.py run from a copy alone in an empty folder (so nothing else can be
+    imported), REFERENCE_EPOCHS epochs of the global batch REFERENCE_BATCH, a snapshot every 2."""
+    folder = tmp_path_factory.mktemp("single_gpu")
+    script = shutil.copy(EXAMPLES / "single_gpu.py", folder)
+    args = [REFERENCE_EPOCHS, 2, "--batch_size", REFERENCE_BATCH, *REFERENCE_ARGS]
+    proc = run(example_cmd("single_gpu", *args, script=script), timeout=300, cwd=folder, env=EXIT_PROBE)
+    return folder, proc
+
+
 def load_snapshot(path):
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---- session hooks: the bound of each test, processes left alive, skips that CI does not allow ----
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    timeout = pytest_timeout._get_item_settings(item).timeout
+    _deadline[0] = time.monotonic() + timeout if timeout else float("inf")
+
+
+def session_processes():
+    """(pid, command line) of every process but this one that carries this session's SESSION_VAR."""
+    mark = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append((int(entry.name), cmdline.strip()))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+_skips = []  # (test id, reason) of every skipped test
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+
+def pytest_sessionfinish(session):
+    """Fail the session if a process it started is still alive 10 s after the last test (and kill it), and
+    with REQUIRE_NO_SKIPS=1 (CI) if a test skipped for a reason that names no GPU."""
+    deadline = time.monotonic() + 10
+    while (left := session_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    write = session.config.get_terminal_writer().line
+    if left:
+        write(f"\nFAILED: {len(left)} process(es) started by the tests still alive at the end:", red=True)
+        for pid, cmdline in left:
+            write(f"  pid {pid}: {cmdline[:300]}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    banned = [(test, reason) for test, reason in _skips if "GPU" not in reason]
+    if os.environ.get("REQUIRE_NO_SKIPS") == "1" and banned:
+        write(f"\nFAILED: {len(banned)} skipped; with REQUIRE_NO_SKIPS=1 only GPU tests may:", red=True)
+        for test, reason in banned:
+            write(f"  {test}: {reason}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

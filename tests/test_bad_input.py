@@ -1,4 +1,12 @@
-"""Bad input: an argparse-style message, exit status 2, and nothing written."""
+"""Bad input: an argparse-style message, exit status 2, and nothing written.
+
+Most cases run a lesson's __main__ block in this interpreter (runpy), which parses and refuses in
+milliseconds where a new interpreter takes seconds to import torch; a few per script start it for real.
+"""
+
+import runpy
+import subprocess
+import sys
 
 import pytest
 from conftest import EXAMPLES, PYTHON, TrainLog, example_cmd, run
@@ -36,30 +44,57 @@ def assert_refused_early(proc, message, folder):
     assert not list(folder.iterdir()), "bad input must not leave files behind"
 
 
+@pytest.fixture
+def in_process(tmp_path, monkeypatch, capsys):
+    """run(script, args): the script's __main__ block run here, in tmp_path, as `python script args` would;
+    its exit status and output as a CompletedProcess. An exception other than an exit fails the test."""
+
+    def run_here(script, args):
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [str(script), *args])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(str(script), run_name="__main__")
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([script, *args], exited.value.code, out.out + out.err)
+
+    return run_here
+
+
 @pytest.mark.parametrize(("args", "message"), CASES, ids=[c[1][:30] for c in CASES])
-def test_single_gpu_rejects(tmp_path, args, message):
+def test_single_gpu_rejects(in_process, tmp_path, args, message):
+    assert_rejected(in_process(EXAMPLES / "single_gpu.py", args), message, tmp_path)
+
+
+@pytest.mark.parametrize(("args", "message"), [CASES[0], CASES[2]], ids=["total_epochs", "invalid int"])
+def test_single_gpu_rejects_in_a_process_of_its_own(tmp_path, args, message):
     proc = run([PYTHON, EXAMPLES / "single_gpu.py", *args], timeout=120, check=False, cwd=tmp_path)
     assert_rejected(proc, message, tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["1", "1", "--nproc", "0"], "--nproc must be between 1 and the number of GPUs"),
-        (["-3", "1"], "total_epochs must be positive"),
-    ],
-)
-def test_multigpu_rejects_before_spawning(tmp_path, args, message):
+MULTIGPU_CASES = [
+    (["1", "1", "--nproc", "0"], "--nproc must be between 1 and the number of GPUs"),
+    (["-3", "1"], "total_epochs must be positive"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), MULTIGPU_CASES)
+def test_multigpu_rejects_before_spawning(in_process, tmp_path, args, message):
+    assert_rejected(in_process(EXAMPLES / "multigpu.py", args), message, tmp_path)
+
+
+def test_multigpu_rejects_in_a_process_of_its_own(tmp_path):
+    args, message = MULTIGPU_CASES[0]
     proc = run([PYTHON, EXAMPLES / "multigpu.py", *args], timeout=120, check=False, cwd=tmp_path)
     assert_rejected(proc, message, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["multigpu_torchrun", "multinode", "multigpu_accelerate"])
-def test_torchrun_examples_reject_a_plain_start_and_bad_numbers(tmp_path, name):
+def test_torchrun_examples_reject_a_plain_start_and_bad_numbers(in_process, tmp_path, name):
+    # a plain start for real (torchrun's variables absent), bad numbers in process
     proc = run([PYTHON, EXAMPLES / f"{name}.py", "1", "1"], timeout=120, check=False, cwd=tmp_path)
     assert_rejected(proc, "start me with torchrun", tmp_path)
-    proc = run([PYTHON, EXAMPLES / f"{name}.py", "1", "-1"], timeout=120, check=False, cwd=tmp_path)
-    assert_rejected(proc, "save_every must be positive", tmp_path)
+    assert_rejected(in_process(EXAMPLES / f"{name}.py", ["1", "-1"]), "save_every must be positive", tmp_path)
 
 
 # This machine has no GPU: sitecustomize makes torch report one in every process, torchrun's included.

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import yaml
-from conftest import EPOCH_RE, REPO, TrainLog, assert_world, need, run, without_ray_prefixes
+from conftest import EPOCH_RE, REPO, RUN_ID, TrainLog, assert_world, need, run, without_ray_prefixes
 
 COMPOSE_DIR = REPO / "compose"
 CPU = ("compose.yaml",)  # what plain `docker compose up` at the root runs
@@ -37,8 +37,10 @@ VARIANTS = {
 }
 PROJECT = "ddp"  # the project name in the files, shared by `make two-node*` and plain `docker compose`
 BASE_IMAGE = "local/ddp-base:bookworm"
-IMAGE = "ddp-examples:test"
-SHAPER_IMAGE = "ddp-shaper:test"
+# This run's tags (two runs on one machine must not retag each other's images); at the end of the session
+# each moves to its lasting tag, which keeps the layers cached for the next run, so no tag is left per run.
+LASTING = {f"ddp-examples:test-{RUN_ID}": "ddp-examples:test", f"ddp-shaper:test-{RUN_ID}": "ddp-shaper:test"}
+IMAGE, SHAPER_IMAGE = LASTING
 EPOCHS, SAVE_EVERY = 4, 2
 # Each variant writes its snapshot here on the shared volume (see the compose files).
 SNAPSHOTS = {
@@ -241,7 +243,10 @@ def image(compose):
         f"base image {based - start:.0f} s, project image {time.monotonic() - based:.0f} s, "
         f"{int(size) / 1e9:.2f} GB"
     )
-    return IMAGE
+    yield IMAGE
+    for tag, lasting in LASTING.items():
+        if run(["docker", "tag", tag, lasting], timeout=60, check=False).returncode == 0:
+            run(["docker", "image", "rm", tag], timeout=120, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -314,7 +319,7 @@ def project(compose, image, request):
     made = []
 
     def make(files, **variables):
-        name = f"ddptest{os.getpid()}{len(made)}"
+        name = f"ddptest{RUN_ID}{len(made)}"
         variables = {"DDP_IMAGE": image, "EPOCHS": EPOCHS, "SAVE_EVERY": SAVE_EVERY, **variables}
         proj = ComposeProject(compose, name, files, **variables)
         made.append(proj)
@@ -444,7 +449,7 @@ def test_plain_up_at_the_root_builds_the_image_and_trains(project, compose):
     """What a new user types: `docker compose up` at the root, no flags. A missing image is built (from the
     layers the image fixture cached, on the local base); both nodes train to the end on CPUs and exit 0.
     A second `up` resumes from the snapshot on the volume: it already holds every epoch, so nothing trains."""
-    tag = f"ddp-examples:test-up-{os.getpid()}"
+    tag = f"ddp-examples:test-up-{RUN_ID}"
     proj = project((), DDP_IMAGE=tag, BASE_IMAGE=BASE_IMAGE)
     proj.cmd = [*compose, "-p", proj.name]  # no -f: the root's compose.yaml, as Compose finds it
     try:

@@ -7,15 +7,33 @@ import subprocess
 
 import pytest
 import torch
-from conftest import EXAMPLES, REPO, VENV, TrainLog, example_cmd, load_snapshot, run, steps
+from conftest import (
+    EXAMPLES,
+    EXIT_PROBE,
+    REFERENCE_ARGS,
+    REFERENCE_BATCH,
+    REFERENCE_EPOCHS,
+    REPO,
+    VENV,
+    TrainLog,
+    bound,
+    example_cmd,
+    free_port,
+    kill_group,
+    load_snapshot,
+    popen,
+    run,
+    steps,
+)
 
-# Per-process batch size and world size of the DDP runs; single_gpu gets their product as its batch.
+# Per-process batch size and world size of the DDP runs; single_gpu (the session's reference run, shared
+# with tests/test_ray.py) gets their product as its batch.
 BATCH, NPROC = 32, 2
-EPOCHS = 4
+EPOCHS = REFERENCE_EPOCHS
+assert BATCH * NPROC == REFERENCE_BATCH
 # Momentum gives the optimizer a state of its own, which the snapshot must carry for an exact resume.
-COMMON = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
+COMMON = REFERENCE_ARGS
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
-EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
 
 
 class Run:
@@ -27,10 +45,10 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, single_gpu_reference):
     """Each example trained once, from a copy alone in an empty folder (so nothing else can be imported)."""
-    results = {}
-    for name in ["single_gpu", *DDP_EXAMPLES]:
+    results = {"single_gpu": Run("single_gpu", *single_gpu_reference)}
+    for name in DDP_EXAMPLES:
         folder = tmp_path_factory.mktemp(name)
         script = shutil.copy(EXAMPLES / f"{name}.py", folder)
         batch = BATCH * NPROC if name == "single_gpu" else BATCH
@@ -61,9 +79,11 @@ def test_no_communication_thread_outlives_the_process_group(runs, name):
     shutdown, where one can abort a finished run (exit -6). DDP's first use imports a module that would
     keep the group alive if the lesson had not imported it before the group existed."""
     text = runs[name].log.text
-    alive = [int(n) for n in re.findall(r"exit probe: pid \d+, gloo threads alive: (\d+)", text)]
-    assert len(alive) >= NPROC, text[-3000:]  # every training process reported
-    assert alive == [0] * len(alive), text[-3000:]
+    reports = re.findall(r"exit probe: pid (\d+), process group: (yes|no), gloo threads alive: (\d+)", text)
+    trained = {pid for pid, group, _ in reports if group == "yes"}
+    # one report from each training process (the launcher and multiprocessing's helpers report "no")
+    assert len(trained) == NPROC == sum(group == "yes" for _, group, _ in reports), text[-3000:]
+    assert [alive for *_, alive in reports] == ["0"] * len(reports), text[-3000:]
 
 
 @pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
@@ -175,6 +195,7 @@ def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
 
 def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     make = ["make", "-C", REPO, "multinode", "EPOCHS=3", f"RUNS={tmp_path}", f"VENV={VENV}"]
+    make.append(f"RDZV_PORT={free_port()}")
     proc = run([*make, "ARGS=--dataset_size 512"], timeout=300)
     log = TrainLog(proc.stdout)
     log.assert_trained(world_size=4)
@@ -189,14 +210,17 @@ def test_multinode_refuses_nodes_that_see_different_snapshots(tmp_path):
     for node in ("a", "b"):
         (tmp_path / node).mkdir()
     run(example_cmd("single_gpu", 1, 1, "--snapshot_path", "snap.pt"), timeout=300, cwd=tmp_path / "a")
-    nodes = steps.command("multinode", [2, 1, "--snapshot_path", "snap.pt"], nproc=1, root=REPO)
+    args = [2, 1, "--snapshot_path", "snap.pt"]
+    nodes = steps.command("multinode", args, nproc=1, port=free_port(), root=REPO)
     procs = [
-        subprocess.Popen(
-            cmd, cwd=tmp_path / node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        popen(cmd, cwd=tmp_path / node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd, node in zip(nodes, ("a", "b"), strict=True)
     ]
-    out = "".join(proc.communicate(timeout=300)[0] for proc in procs)
+    try:
+        out = "".join(proc.communicate(timeout=bound(300))[0] for proc in procs)
+    finally:
+        for proc in procs:
+            kill_group(proc)
     assert all(proc.returncode for proc in procs), out[-3000:]
     assert "the nodes found different snapshots at snap.pt" in out, out[-3000:]
     assert not (tmp_path / "b" / "snap.pt").exists() and "epoch 2/2" not in out

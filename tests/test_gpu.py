@@ -20,6 +20,9 @@ from conftest import (
 )
 
 pytestmark = needs_gpu
+# What needs more than one GPU is skipped, saying so, on a one-GPU machine: at world size 1, DDP's
+# equivalence and one GPU per rank hold trivially and would prove nothing.
+needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, one per rank; torch sees {GPUS} GPU(s)")
 
 BATCH, EPOCHS = 32, 4
 COMMON = ["--seed", "5", "--dataset_size", "4096", "--momentum", "0.9"]
@@ -58,6 +61,7 @@ def test_trains_on_the_gpus(runs, name):
     assert devices(folder / name / f"{name}_snapshot.pt") == {"cuda"}
 
 
+@needs_2_gpus
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_each_rank_runs_on_its_own_gpu(runs, name):
     """The set_device pitfall (docs/troubleshooting.md): rank r of one node on cuda:r, never all on cuda:0.
@@ -66,6 +70,7 @@ def test_each_rank_runs_on_its_own_gpu(runs, name):
     assert {rank: place[0] for rank, place in ranks.items()} == {r: f"cuda:{r}" for r in range(GPUS)}, ranks
 
 
+@needs_2_gpus
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_ddp_with_nccl_equals_one_gpu_with_the_global_batch(runs, name):
     folder, logs = runs
@@ -76,7 +81,7 @@ def test_ddp_with_nccl_equals_one_gpu_with_the_global_batch(runs, name):
     assert logs[name].losses == pytest.approx(logs["single_gpu"].losses, rel=1e-3)
 
 
-@pytest.mark.skipif(GPUS < 2, reason="DataParallel needs 2 or more GPUs")
+@pytest.mark.skipif(GPUS < 2, reason=f"DataParallel needs 2 or more GPUs; torch sees {GPUS} GPU(s)")
 def test_dataparallel_equals_one_gpu_with_the_same_batch(runs, tmp_path):
     folder, logs = runs
     log = train("multigpu_dataparallel", tmp_path, EPOCHS, 2, "--batch_size", BATCH * GPUS, *COMMON)
@@ -124,6 +129,7 @@ def test_vision_on_the_gpus(tmp_path):
     assert devices(tmp_path / "multigpu_torchrun_snapshot.pt") == {"cuda"}
 
 
+@needs_2_gpus
 def test_multinode_through_the_launcher_with_nccl(tmp_path):
     cmd = [PYTHON, REPO / "tools" / "launch.py", "--nnodes=1", f"--nproc-per-node={GPUS}"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-conf=join_timeout=60"]
@@ -159,7 +165,7 @@ torch.cuda.synchronize()
 """
 
 
-@pytest.mark.skipif(GPUS < 2, reason="an NCCL timeout needs two ranks, one GPU each")
+@pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
 def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_rank_ran(tmp_path):
     """docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
     watchdog names the one that timed out and writes the record of the rank that waited."""

@@ -5,16 +5,16 @@ node0 and node1, each running the command that compose/compose.yaml gives that n
 import os
 import re
 import shutil
-import signal
 import subprocess
 
 import pytest
 import torch
 import yaml
-from conftest import PYTHON, REPO, TrainLog, assert_world, need, run
+from conftest import PYTHON, REPO, RUN_ID, TrainLog, assert_world, free_subnet, kill_group, need, popen, run
 
 NETNS = REPO / "tools" / "netns.sh"
-NAME, SUBNET, HOSTS = "ddpn", "10.77.42", ("node0", "node1")
+# unique per run of the suite (RUN_ID), so that two runs on one machine do not meet
+NAME, HOSTS = f"n{RUN_ID}", ("node0", "node1")
 NPROC = {"node0": 2, "node1": 1}
 VARIABLES = {"EPOCHS": "4", "SAVE_EVERY": "2", "JOIN_TIMEOUT": "60", "NODE0_NPROC": "2", "NODE1_NPROC": "1"}
 VARIABLE_RE = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")  # an innermost one: its default has none inside
@@ -52,7 +52,7 @@ def hosts():
         "network namespaces need root, ip and unshare",
         "REQUIRE_NETNS",
     )
-    run([NETNS, "up", NAME, SUBNET, *HOSTS], timeout=60)
+    run([NETNS, "up", NAME, free_subnet(), *HOSTS], timeout=60)
     yield
     run([NETNS, "down", NAME, *HOSTS], timeout=60, check=False)
 
@@ -62,22 +62,15 @@ def test_compose_job_across_two_namespaces(hosts, tmp_path):
     jobs = {host: node_job(services[host], tmp_path) for host in HOSTS}
     node1_log = (tmp_path / "node1.log").open("w+")
     argv, env = jobs["node1"]
-    node1 = subprocess.Popen(
-        in_host("node1", argv),
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        stdout=node1_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # both nodes on the CPU (popen and run hide the GPUs alike), whatever this machine has
+    node1 = popen(in_host("node1", argv), cwd=REPO, env=env, stdout=node1_log, stderr=subprocess.STDOUT)
     try:
         argv, env = jobs["node0"]
         node0 = run(in_host("node0", argv), cwd=REPO, env=env, timeout=300, check=False)
         node1_status = node1.wait(timeout=60)
     finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.wait()
+        kill_group(node1)
+        node1.wait()
     node1_log.seek(0)
     node1_out = node1_log.read()
     both = f"--- node0\n{node0.stdout[-4000:]}\n--- node1\n{node1_out[-4000:]}"

@@ -16,6 +16,9 @@ from conftest import (
     EXAMPLES,
     PYTHON,
     RAY_PREFIX_RE,
+    REFERENCE_ARGS,
+    REFERENCE_BATCH,
+    REFERENCE_EPOCHS,
     REPO,
     VENV,
     TrainLog,
@@ -109,12 +112,13 @@ def test_make_ray_trains_on_a_cluster_it_starts_and_stops(uninterrupted):
     assert set(state["MODEL_STATE"]) == {"weight", "bias"} and state["OPTIMIZER_STATE"]["state"]
 
 
-def test_ray_equals_single_process_with_the_global_batch(uninterrupted, tmp_path):
-    """2 Ray workers with batch 32 take the steps of single_gpu.py with batch 64."""
+def test_ray_equals_single_process_with_the_global_batch(uninterrupted, single_gpu_reference):
+    """2 Ray workers with batch 32 take the steps of single_gpu.py with batch 64 (the session's reference
+    run, which tests/test_examples.py compares the other launchers with)."""
     text, snapshot = uninterrupted
-    single = [PYTHON, EXAMPLES / "single_gpu.py", EPOCHS, 2, "--batch_size", BATCH * NPROC, *COMMON]
-    proc = run(single, timeout=300, cwd=tmp_path)
-    expected = load_snapshot(tmp_path / "single_gpu_snapshot.pt")["MODEL_STATE"]
+    folder, proc = single_gpu_reference
+    assert (EPOCHS, BATCH * NPROC, COMMON) == (REFERENCE_EPOCHS, REFERENCE_BATCH, REFERENCE_ARGS[:4])
+    expected = load_snapshot(folder / "single_gpu_snapshot.pt")["MODEL_STATE"]
     for key, tensor in load_snapshot(snapshot)["MODEL_STATE"].items():
         torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6)
     assert log_of(text).losses == pytest.approx(TrainLog(proc.stdout).losses, rel=1e-4)

@@ -2,7 +2,8 @@
 
 import re
 
-from conftest import REPO, VENV, TrainLog, run
+import pytest
+from conftest import REPO, VENV, TrainLog, free_port, run
 
 MARKER = "<!-- tests/test_readme.py runs every command in the next block"
 
@@ -13,12 +14,17 @@ def commands_block():
     return re.search(r"```sh\n(.*?)```", after, re.S).group(1)
 
 
+@pytest.mark.timeout(960)  # above the script's own 900 s bound
 def test_the_example_commands_work_verbatim(tmp_path):
     # A scratch folder that looks like the repository root, so snapshots land there and not in the checkout.
     (tmp_path / "examples").symlink_to(REPO / "examples")
     (tmp_path / ".venv").symlink_to(VENV)
     script = tmp_path / "readme.sh"
-    script.write_text("set -e\n" + commands_block())
+    # verbatim but for the two-node rendezvous port: a free one, not the README's fixed 29400
+    block = commands_block()
+    assert block.count("--rdzv-endpoint=localhost:29400 ") == 2, block
+    block = block.replace("localhost:29400", f"localhost:{free_port()}")
+    script.write_text("set -e\n" + block)
     proc = run(["bash", script], timeout=900, cwd=tmp_path)
     # the three single-machine DDP steps and the two-node one end with the check; one process needs none
     assert proc.stdout.count("weights identical on ") == 4, proc.stdout[-3000:]

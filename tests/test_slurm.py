@@ -76,7 +76,11 @@ def submit_and_wait(
     """sbatch the job script from the repository root with workdir as the job's directory, wait until it
     ends, calling while_running(output so far) once a second; return (final state, seconds from submission
     to that state, text of its output file)."""
-    job_env = {**env, "TORCHRUN": f"{PYTHON} {REPO / 'tools' / 'launch.py'}", **extra_env}
+    # The training processes on the CPU: the local cluster's GPUs are placeholders, for which Slurm still sets
+    # CUDA_VISIBLE_DEVICES=0,1 on each node (on a machine with GPUs, the same two real ones on both "nodes").
+    # `env CUDA_VISIBLE_DEVICES=` hides them again, as conftest.CPU_ENV does for every other test.
+    torchrun = f"env CUDA_VISIBLE_DEVICES= {PYTHON} {REPO / 'tools' / 'launch.py'}"
+    job_env = {**env, "TORCHRUN": torchrun, **extra_env}
     start = time.monotonic()
     proc = run(
         [

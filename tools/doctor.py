@@ -49,7 +49,8 @@ def gpus():
     listed = ""
     if shutil.which("nvidia-smi"):
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    if not count and listed.strip():
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""  # set and empty: every GPU hidden on purpose
+    if not count and listed.strip() and not hidden:
         report(
             "FAIL",
             "gpus",
@@ -58,7 +59,8 @@ def gpus():
         )
         return
     if not count:
-        report("INFO", "gpus", "none: the examples use the CPU and gloo")
+        why = f"{len(listed.splitlines())} hidden by CUDA_VISIBLE_DEVICES=''" if listed.strip() else "none"
+        report("INFO", "gpus", f"{why}: the examples use the CPU and gloo")
         return
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
     report("INFO", "gpus", f"{count}: {names}")

@@ -110,6 +110,7 @@ def main(argv=None):
     parser.add_argument("step", choices=list(STEPS))
     parser.add_argument("--nproc", type=int, default=2, help="processes (per node for multinode)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine, split between local nodes")
+    parser.add_argument("--port", type=int, help="multinode's rendezvous port (default: a free one)")
     parser.add_argument("--python", default=sys.executable, help="interpreter command (default: this one)")
     parser.add_argument("--dry-run", action="store_true", help="print the command(s), run nothing")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -119,7 +120,8 @@ def main(argv=None):
         parser.error(f"--nproc must be positive, got {args.nproc}")
     if args.step == "multinode" and args.gpus >= 2:
         args.nproc = args.gpus // 2  # the GPUs split between the two local nodes
-    commands = command(args.step, example_args, nproc=args.nproc, python=shlex.split(args.python))
+    python = shlex.split(args.python)
+    commands = command(args.step, example_args, nproc=args.nproc, python=python, port=args.port)
     if args.dry_run:
         print("\n".join(shlex.join(cmd) for cmd in commands))
         return 0

@@ -1,0 +1,46 @@
+"""The suite's own guarantees (tests/conftest.py): a command that runs past its bound is killed with every
+process it started, and its bound ends before pytest-timeout's. Budget: about 10 s."""
+
+import os
+import time
+
+import pytest
+from conftest import free_port, run
+
+# a shell that starts two grandchildren, writes their process ids, and waits for them
+TREE = 'sleep 300 & echo $! >> "$0"; sleep 300 & echo $! >> "$0"; wait'
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(") ", 1)[1].startswith("Z")  # a zombie is gone
+
+
+def test_a_command_past_its_bound_is_killed_with_its_whole_process_group(tmp_path):
+    pids = tmp_path / "pids"
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="timed out after 2s"):
+        run(["bash", "-c", TREE, pids], timeout=2)
+    assert time.monotonic() - start < 10  # not held up by the grandchildren's hold on the output pipe
+    children = [int(pid) for pid in pids.read_text().split()]
+    assert len(children) == 2
+    time.sleep(0.5)
+    assert not [pid for pid in children if alive(pid)], "grandchildren outlived the timeout"
+
+
+@pytest.mark.timeout(20)
+def test_a_bound_beyond_pytest_timeout_is_cut_to_end_before_it():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="cut to end before pytest-timeout"):
+        run(["sleep", "100"], timeout=100)
+    assert time.monotonic() - start < 20 - 10  # 15 s before pytest-timeout's 20 s, with room for start-up
+
+
+def test_free_ports_are_never_handed_out_twice_and_nothing_listens_on_them():
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert all(port < low for port in ports), "below the ephemeral range"
