@@ -229,10 +229,10 @@ import os, runpy, sys, time
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import trainer
 train = trainer.Trainer.train
-def stalled(self):
+def stalled(self, *args):
     if self.rank == 1:
         time.sleep(600)
-    train(self)
+    train(self, *args)
 trainer.Trainer.train = stalled
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
