@@ -203,7 +203,7 @@ class Trainer:
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
-            # what a snapshot taken before this step's update must hold
+            # what a snapshot taken before this step's update holds
             rng = snapshots.rng_state(self.device)
             loss, norm, loss_ok, norm_ok, stopping = self.train_step(bool(stop))
             if loss_ok and (due or stopping):
