@@ -152,7 +152,24 @@ def get_parser():
     group.add_argument("--eval_every", type=int, help="validation loss every this many steps, and at the end")
     group.add_argument("--eval_samples", type=int, help="validation sequences per evaluation")
     group.add_argument("--log_every", type=int, help="a log line every this many steps")
-    group.add_argument("--metrics_path", help="append one JSON line per log line and per evaluation")
+    group.add_argument(
+        "--metrics_path",
+        help="append one JSON line per log line and per evaluation; TensorBoard event files beside it",
+    )
+    group.add_argument(
+        "--no_tensorboard", action="store_true", help="--metrics_path: the JSON lines alone, no event files"
+    )
+    group.add_argument(
+        "--slow_factor", type=float, default=1.5,
+        help="at each log line, name a process whose data and forward passes take longer than this many "
+        "times the median process's; 0: do not time the processes (1.5)",
+    )  # fmt: skip
+    group.add_argument(
+        "--profile_steps", metavar="A:B", type=step_range,
+        help="torch.profiler over steps A to B: a Chrome/Perfetto trace per process, and its time in "
+        "compute, in collectives and overlapped",
+    )  # fmt: skip
+    group.add_argument("--profile_dir", default="traces", help="--profile_steps: the traces' folder (traces)")
     group.add_argument(
         "--snapshot_path", default="gpt_snapshot",
         help="the snapshot directory to resume from and save to, any layout's (%(default)s)",
@@ -206,6 +223,17 @@ def get_parser():
         "--pp_microbatches", type=int, default=4, help="pp: micro-batches each batch is cut into (4)"
     )
     return p
+
+
+def step_range(text):
+    """'A:B' -> (A, B), steps counted from 1, A <= B."""
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST, two step numbers, got {text!r}") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
+    return first, last
 
 
 def default_cache_dir():
@@ -263,6 +291,10 @@ def parse_args(argv=None):
         (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
         (
+            args.slow_factor == 0 or args.slow_factor >= 1,
+            f"--slow_factor must be 0 or 1 or more, got {args.slow_factor}",
+        ),
+        (
             args.ac_every is None or args.ac == "selective",
             f"--ac_every is for --ac selective (this run: --ac {args.ac})",
         ),
@@ -288,7 +320,7 @@ def parse_args(argv=None):
         if not ok:
             parser.error(message)
     args.ac_every = 2 if args.ac_every is None else args.ac_every
-    for option in ("snapshot_path", "metrics_path"):  # found now, not at the first save after training
+    for option in ("snapshot_path", "metrics_path", "profile_dir"):  # found now, not after training
         problem = unwritable(getattr(args, option))
         if problem:
             parser.error(f"--{option} {getattr(args, option)}: {problem}")

@@ -154,6 +154,7 @@ class Parallel:
     def __init__(self, module, runner, layout, mesh):
         self.module, self.runner, self.layout, self.mesh = module, runner, layout, mesh
         self.after_backward = []  # called after each micro-batch's backward (memory.MemoryMeter)
+        self.forward_timer = nullcontext()  # around each forward pass (metrics.RankTimes)
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -171,7 +172,8 @@ class Parallel:
         return nullcontext()
 
     def step(self, x, y, backward):
-        _, loss = self.runner(x, y)
+        with self.forward_timer:
+            _, loss = self.runner(x, y)
         backward(loss)
         self.backward_done()
         return loss.detach()

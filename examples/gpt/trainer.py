@@ -1,7 +1,6 @@
 """The training loop: processes, precision, the step with accumulation, evaluation, snapshots. How the model
 is split over the processes is parallel.py's business: the trainer sees a Parallel whatever the layout."""
 
-import json
 import math
 import os
 import time
@@ -15,8 +14,10 @@ import torch
 import torch.distributed as dist
 from config import resolve_dtype
 from memory import MemoryMeter
+from metrics import Metrics, RankTimes
 from model import GPT, flops_per_token, optimizer_groups, parameter_count
 from snapshots import all_ranks, model_config
+from traces import StepProfiler
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [
@@ -62,6 +63,8 @@ class Trainer:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         layout = self.layout = args.layout
         self.leads = rank == layout.leader  # logs, records the metrics, commits snapshots
+        self.metrics = Metrics(args.metrics_path, self.leads, not args.no_tensorboard)
+        self.log = self.metrics.log
         self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
         self.corpus = corpus
         # memory-mapped shards: each process reads the windows of its own share of every batch, no more
@@ -122,7 +125,8 @@ class Trainer:
             # this process's slice of the step's global batch
             start = (self.dp_rank * a.grad_accum + micro) * a.batch_size
             mine = offsets[start : start + a.batch_size]
-            x, y = data.gather(self.train_data, mine, a.block_size, self.device)
+            with self.times:  # its own pace: the data, and the forward pass in step()
+                x, y = data.gather(self.train_data, mine, a.block_size, self.device)
             # gradients add up locally; only the last micro-batch's backward reduces them over processes
             with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
                 loss_sum += self.parallel.step(x, y, self.backward)
@@ -173,16 +177,6 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     # ---- the run -------------------------------------------------------------------------------------
-    def log(self, text):
-        if self.leads:
-            print(text, flush=True)
-
-    def record(self, **fields):
-        if self.leads and self.args.metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.args.metrics_path)), exist_ok=True)
-            with open(self.args.metrics_path, "a") as f:
-                f.write(json.dumps(fields) + "\n")
-
     def train(self, stop):
         """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then the
         state at the start of the step under way is saved and False returned. A snapshot due after step s
@@ -201,8 +195,12 @@ class Trainer:
         if self.corpus.unigram is not None:
             self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
+        self.times = self.parallel.forward_timer = RankTimes(self.device)
+        profiler = a.profile_steps and StepProfiler(a.profile_steps, a.profile_dir, self.rank, self.device)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
+            if profiler:
+                profiler.at_step(self.step + 1)
             # what a snapshot taken before this step's update holds
             rng = snapshots.rng_state(self.device)
             loss, norm, loss_ok, norm_ok, stopping = self.train_step(bool(stop))
@@ -224,7 +222,7 @@ class Trainer:
             if self.step % a.eval_every == 0 or last:
                 val_loss = self.evaluate()
                 self.log(f"step {self.step} | val loss {val_loss:.4f}")
-                self.record(step=self.step, val_loss=val_loss)
+                self.metrics.record(self.step, val_loss=val_loss)
                 if last and not math.isfinite(val_loss):
                     raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
             if last:
@@ -233,6 +231,8 @@ class Trainer:
             clock += time.perf_counter() - paused
             if steps == 0:
                 clock = time.perf_counter()
+        if profiler:
+            profiler.finish()
         self.finish(meter)
         return True
 
@@ -247,20 +247,29 @@ class Trainer:
             f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
             f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
         )
-        fields = dict(step=self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_s)
-        fields.update(step_ms=seconds / steps * 1000, world_size=self.world, skipped=self.skipped)
-        self.record(**fields, **({} if mfu is None else {"mfu": mfu}))
+        fields = dict(loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_s)
+        fields.update(step_ms=seconds / steps * 1000)
+        times = self.times.gather(steps) if a.slow_factor else []  # a collective
+        if len(times) > 1 and self.layout.pp == 1:  # a pipeline's forward passes wait for each other
+            line, slow = self.times.report(times, a.slow_factor)
+            self.log(f"step {self.step} | {line}")
+            fields.update(rank_ms=times, slow_ranks=slow)
+        per_rank = {f"ranks/data_forward_ms/rank{r}": ms for r, ms in enumerate(times)}
+        fields.update(world_size=self.world, skipped=self.skipped, **({} if mfu is None else {"mfu": mfu}))
+        self.metrics.record(self.step, scalars=per_rank, **fields)
 
     def finish(self, meter):
         memory = all_ranks(meter.report(self.device))
         for rank, fields in enumerate(memory):
-            self.record(memory=fields, rank=rank)
+            scalars = {f"memory/{k}/rank{rank}": v for k, v in fields.items() if k.endswith("_bytes")}
+            self.metrics.record(self.step, scalars, memory=fields, rank=rank)
         most = {key: max(m[key] for m in memory) / 2**20 for key in memory[0] if key.endswith("_bytes")}
         self.log(
             "memory per rank, MiB, the largest: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
             "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
             + f" ({memory[0]['peak_kind']})"
         )
+        self.metrics.close()
         self.check_replicas()
         if self.args.sample_chars:  # every process takes part: a split model's forward is a collective
             self.log("sample:\n" + self.sample(self.args.sample_chars))

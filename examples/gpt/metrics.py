@@ -1,0 +1,121 @@
+"""What a run reports. The leader prints the log lines and writes the metrics: one JSON line per record
+(--metrics_path) and the same numbers as TensorBoard scalars, in event files in the same folder
+(`tensorboard --logdir FOLDER`). Every process times its data and forward passes, gathered at each log
+line, so that a process slower than the others is named with its host: DDP runs at its slowest process's
+pace, and its step time alone would hide which one that is."""
+
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from snapshots import all_ranks
+
+# The JSON keys and their TensorBoard tags; any other number is written under its own key.
+TAGS = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "skipped": "train/skipped",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_ms": "perf/step_ms",
+}
+
+
+class Metrics:
+    """The leader's log and metrics; `tensorboard=False` writes the JSON lines alone."""
+
+    def __init__(self, path, leads, tensorboard=True):
+        self.path, self.leads, self.tensorboard, self.writer = path, leads, tensorboard, None
+
+    def log(self, text):
+        if self.leads:
+            print(text, flush=True)
+
+    def record(self, step, scalars=None, **fields):
+        """One JSON line {"step": step, **fields}; every number in it, and in `scalars` (TensorBoard only:
+        {tag: value}), as a scalar at `step`."""
+        if not (self.leads and self.path):
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **fields}) + "\n")
+        if not self.tensorboard:
+            return
+        if self.writer is None:  # made at the first record: a run refused earlier leaves no event file
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard package
+
+            self.writer = SummaryWriter(os.path.dirname(os.path.abspath(self.path)))
+        numbers = {TAGS.get(key, key): value for key, value in fields.items() if is_number(value)}
+        for tag, value in {**numbers, **(scalars or {})}.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # readable now: a run stopped or killed keeps what it logged
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RankTimes:
+    """Each process's time in data and forward passes: a context (`with times:`) adds to it, and gather()
+    returns every process's mean per step since the last gather, in milliseconds. On a GPU the time is the
+    device's (CUDA events), not the launches'. Under DDP the forward passes do not communicate, so this is
+    a process's own pace, where step times are alike (the faster processes wait for the slower one in the
+    backward pass's all-reduce); under fsdp, tp and pp the forward passes wait for the others too."""
+
+    def __init__(self, device):
+        self.device, self.seconds, self.events = device, 0.0, []
+        self.hosts = all_ranks(socket.gethostname())
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.seconds += time.perf_counter() - self.start
+
+    def gather(self, steps):
+        """A collective: [milliseconds per step of every process], in rank order."""
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            pairs = zip(self.events[::2], self.events[1::2], strict=True)
+            self.seconds += sum(start.elapsed_time(end) for start, end in pairs) / 1000
+            self.events = []
+        mine = torch.tensor([self.seconds * 1000 / max(steps, 1)], device=self.device)
+        self.seconds = 0.0
+        if not dist.is_initialized():
+            return mine.tolist()
+        every = torch.empty(dist.get_world_size(), device=self.device)
+        dist.all_gather_into_tensor(every, mine)
+        return every.tolist()
+
+    def report(self, times, factor):
+        """A line naming the fastest and slowest process, and the processes slower than `factor` times
+        the median; (line, [slow ranks])."""
+        median = statistics.median_low(times)  # of 2 processes, the faster one
+        order = sorted(range(len(times)), key=times.__getitem__)
+        fast, slow = order[0], order[-1]
+        line = (
+            f"data + forward per step: fastest rank {fast} {times[fast]:.1f} ms, slowest rank {slow} "
+            f"{times[slow]:.1f} ms ({self.hosts[slow]}), median {median:.1f} ms"
+        )
+        lagging = [r for r, t in enumerate(times) if median > 0 and t > factor * median]
+        for r in lagging:
+            line += f"\nslow: rank {r} on {self.hosts[r]}, {times[r] / median:.2f}x the median"
+        return line, lagging
