@@ -142,7 +142,7 @@ GPT_DATA ?= $(RUNS)/gpt-data
 GPT_DATA_ARGS ?=
 GPT_BENCH_ARGS ?=
 MEMORY_ARGS ?=
-.PHONY: gpt gpt-data bench-gpt memory
+.PHONY: gpt gpt-data bench-gpt memory tensorboard
 
 gpt-data: $(ENV) ## tokenize text into $(GPT_DATA): tokenizer.json, train.bin, val.bin, manifest.json
 	$(PY) examples/gpt/prepare.py --out $(GPT_DATA) $(GPT_DATA_ARGS)
@@ -150,6 +150,10 @@ gpt-data: $(ENV) ## tokenize text into $(GPT_DATA): tokenizer.json, train.bin, v
 gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); resumes from its snapshot
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) examples/gpt/train.py \
 	  --snapshot_path $(RUNS)/gpt/snapshot --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
+
+TB_PORT ?= 6006
+tensorboard: $(ENV) ## TensorBoard on localhost:$(TB_PORT) for every run under $(RUNS) (make gpt writes its metrics there)
+	$(PY) -m tensorboard.main --logdir $(RUNS) --host 127.0.0.1 --port $(TB_PORT) --load_fast false
 
 bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; ratios
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
