@@ -152,7 +152,7 @@ gpt: $(ENV) ## train the GPT with DDP on every local GPU (or 2 CPU processes); r
 	  --snapshot_path $(RUNS)/gpt/snapshot --metrics_path $(RUNS)/gpt/metrics.jsonl $(GPT_ARGS)
 
 TB_PORT ?= 6006
-tensorboard: $(ENV) ## TensorBoard on localhost:$(TB_PORT) for every run under $(RUNS) (make gpt writes its metrics there)
+tensorboard: $(ENV) ## TensorBoard on localhost:6006 (TB_PORT) for every run under RUNS (make gpt writes its metrics there)
 	$(PY) -m tensorboard.main --logdir $(RUNS) --host 127.0.0.1 --port $(TB_PORT) --load_fast false
 
 bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; ratios
