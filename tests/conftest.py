@@ -2,6 +2,7 @@
 
 import fcntl
 import importlib.util
+import json
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -196,6 +198,21 @@ class TrainLog:
         assert self.world_size == world_size, self.text[-3000:]
         assert self.ranks_in_sync == world_size, f"ranks did not end in sync:\n{self.text[-3000:]}"
         assert self.losses[-1] * factor < self.losses[0], f"loss did not fall by {factor}x: {self.losses}"
+
+
+def wait_for_json(url, count, limit):
+    """The JSON list a server gives at url once it holds `count` items, polled for at most `limit` s."""
+    deadline, got = time.monotonic() + limit, None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                got = json.loads(response.read())
+            if len(got) >= count:
+                return got
+        except (OSError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} gave {got!r} within {limit} s, not {count} items")
 
 
 def start_torchrun_agent(cmd, cwd, env=None):

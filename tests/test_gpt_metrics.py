@@ -5,12 +5,9 @@ them all (about 30 s on 2 cores)."""
 
 import json
 import re
-import time
-import urllib.parse
-import urllib.request
 
 import pytest
-from conftest import PYTHON, free_port, import_gpt_module, kill_group, popen
+from conftest import PYTHON, free_port, import_gpt_module, kill_group, popen, wait_for_json
 from test_gpt import cache
 from test_gpt_sharding import script_file, train
 
@@ -88,18 +85,6 @@ def test_tensorboards_loader_reads_the_numbers_of_the_json_lines(slowed):
     assert_same(scalars_from_event_files(folder), expected)
 
 
-def fetch_json(url, deadline):
-    """The JSON at url once the server answers it, polled until the deadline."""
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
 def test_a_tensorboard_server_serves_the_runs_scalars(slowed):
     folder, _, records = slowed
     port = free_port()
@@ -107,13 +92,9 @@ def test_a_tensorboard_server_serves_the_runs_scalars(slowed):
     with open(folder.parent / "tensorboard.log", "w") as log:
         server = popen(cmd, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 120  # a loaded 2-core machine takes a while to import TensorBoard
-        base = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag="
-        points = []
-        while len(points) < len([r for r in records if "loss" in r]):  # the loader reads the file in passes
-            points = fetch_json(base + urllib.parse.quote("train/loss"), deadline)
-            assert time.monotonic() < deadline, f"the server gave {len(points)} points by the deadline"
-            time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=train%2Floss"
+        logged = len([r for r in records if "loss" in r])
+        points = wait_for_json(url, logged, limit=120)  # a loaded 2-core machine imports TensorBoard slowly
         served = {step: value for _, step, value in points}  # [wall time, step, value]
         assert_same({"train/loss": served}, {"train/loss": expected_scalars(records)["train/loss"]})
     finally:
