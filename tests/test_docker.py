@@ -18,7 +18,18 @@ import time
 
 import pytest
 import yaml
-from conftest import EPOCH_RE, REPO, RUN_ID, TrainLog, assert_world, need, run, without_ray_prefixes
+from conftest import (
+    EPOCH_RE,
+    REPO,
+    RUN_ID,
+    TrainLog,
+    assert_world,
+    free_port,
+    need,
+    run,
+    wait_for_json,
+    without_ray_prefixes,
+)
 
 COMPOSE_DIR = REPO / "compose"
 CPU = ("compose.yaml",)  # what plain `docker compose up` at the root runs
@@ -573,6 +584,21 @@ def test_gpt_across_two_containers(project):
         "print(torch.load(d / 'extra.pt', weights_only=True)['step'])"
     )
     assert int(proj.in_node(code).split()[-1]) == 20
+    # the run's metrics on the volume, served by the tensorboard profile's container
+    logged = [json.loads(line) for line in proj.in_node(METRICS_CODE).splitlines() if line.startswith("{")]
+    losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
+    assert sorted(losses) == list(range(10, 21, 10)), logged  # the preset's log line every 10 steps
+    port = proj.env["TENSORBOARD_PORT"] = str(free_port())
+    try:
+        proj("--profile", "tensorboard", "up", "-d", "tensorboard", timeout=120)
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=train%2Floss"
+        served = wait_for_json(url, len(losses), limit=120)
+        assert {step: value for _, step, value in served} == pytest.approx(losses, rel=1e-6)
+    finally:  # before the fixture removes the volume it reads
+        proj("--profile", "tensorboard", "rm", "--stop", "--force", "tensorboard", check=False)
+
+
+METRICS_CODE = "print(open('/snapshots/gpt-metrics/metrics.jsonl').read())"
 
 
 @SLOW
