@@ -135,7 +135,8 @@ diff: ## what each step adds to the previous one
 # make gpt GPT_ARGS="--max_steps 1000"      any option of examples/gpt/train.py
 # make gpt GPT_ARGS="--parallel fsdp"       or zero, tp, "pp --pp_schedule gpipe": beyond DDP (docs/parallelism.md)
 # make bench-gpt GPT_BENCH_ARGS="--rounds 5"  2 DDP ranks of 1 thread vs one process of 2 threads (CPU);
-#                                           then batches from memory-mapped shards vs the corpus in memory
+#                                           then batches from memory-mapped shards vs the corpus in memory,
+#                                           then TensorBoard and per-process times on vs JSON lines alone
 # make memory MEMORY_ARGS="--strategies ddp"  memory per rank under each layout on 4 processes, vs the theory
 GPT_ARGS ?=
 GPT_DATA ?= $(RUNS)/gpt-data
@@ -155,9 +156,10 @@ TB_PORT ?= 6006
 tensorboard: $(ENV) ## TensorBoard on localhost:6006 (TB_PORT) for every run under RUNS (make gpt writes its metrics there)
 	$(PY) -m tensorboard.main --logdir $(RUNS) --host 127.0.0.1 --port $(TB_PORT) --load_fast false
 
-bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; ratios
+bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; metrics on vs off
 	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
 	$(PY) tools/bench_gpt.py --shards --out $(BENCH_OUT)/gpt-shards.json $(GPT_BENCH_ARGS)
+	$(PY) tools/bench_gpt.py --metrics --out $(BENCH_OUT)/gpt-metrics.json $(GPT_BENCH_ARGS)
 
 memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each layout, 1-D and 2-D
 	$(PY) tools/memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)

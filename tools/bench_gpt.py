@@ -7,6 +7,7 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python tools/bench_gpt.py --strategies         # every --parallel strategy on 2 CPU ranks, vs ddp
     python tools/bench_gpt.py --strategies ddp zero
     python tools/bench_gpt.py --shards             # batches read from memory-mapped shards vs --in_memory
+    python tools/bench_gpt.py --metrics            # TensorBoard and per-process times on vs JSON lines alone
 
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
@@ -105,6 +106,10 @@ def plan(args, train_args, parser):
     if args.shards:  # 2 DDP processes either way: the data path is the only difference
         batch = ["--batch_size", args.global_batch // 2]
         return {"in_memory": (2, 1, [*batch, "--in_memory"]), "shards": (2, 1, batch)}, "in_memory"
+    if args.metrics:  # the JSON lines either way (the bench reads them); off: no event files, no timing
+        batch = ["--batch_size", args.global_batch // 2]
+        off = [*batch, "--no_tensorboard", "--slow_factor", "0"]
+        return {"metrics_off": (2, 1, off), "metrics_on": (2, 1, batch)}, "metrics_off"
     if args.strategies is None:
         batch = {name: ["--batch_size", args.global_batch // procs] for name, (procs, _) in VARIANTS.items()}
         variants = {name: (*VARIANTS[name], batch[name]) for name in VARIANTS}
@@ -140,6 +145,10 @@ def main():
         "--shards", action="store_true",
         help="compare the data paths instead: memory-mapped shards against the corpus in memory (2 ranks)",
     )  # fmt: skip
+    p.add_argument(
+        "--metrics", action="store_true",
+        help="compare TensorBoard event files and per-process times against the JSON lines alone (2 ranks)",
+    )  # fmt: skip
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=900, help="seconds one run may take (900)")
     p.add_argument("--out", help="also write the results as JSON here")
@@ -156,8 +165,8 @@ def main():
         from config import default_cache_dir
 
         args.cache_dir = default_cache_dir()
-    if args.shards and args.strategies is not None:
-        p.error("--shards and --strategies are two different comparisons: give one")
+    if sum([args.shards, args.metrics, args.strategies is not None]) > 1:
+        p.error("--shards, --metrics and --strategies are different comparisons: give one")
     variants, baseline = plan(args, train_args, p)
     names = list(variants)
     results, failed = {name: [] for name in names}, {}
@@ -203,6 +212,9 @@ def report(args, train_args, names, baseline, results, failed):
     if args.shards:
         ratio = ratios["shards"]
         print(f"  ratio shards/in_memory (goal >= 0.98) {ratio:.3f}")
+    elif args.metrics:
+        ratio = ratios["metrics_on"]
+        print(f"  ratio metrics_on/metrics_off (goal >= 0.98) {ratio:.3f}")
     elif args.strategies is None:
         ratio = ratios["ddp_2_processes_1_thread"]
         print(f"  ratio ddp/one (goal >= 0.95) {ratio:.3f}")
@@ -219,7 +231,7 @@ def report(args, train_args, names, baseline, results, failed):
         out = {"settings": {**vars(args), "train_args": train_args}, "tokens_per_s": results}
         out.update(
             {"ratio": ratio}
-            if args.strategies is None or args.shards
+            if args.strategies is None or args.shards or args.metrics
             else {"ratio_to_ddp": ratios, "failed": failed}
         )
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
