@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from conftest import PYTHON, free_port, import_gpt_module, kill_group, popen, wait_for_json
+from conftest import PYTHON, REPO, free_port, import_gpt_module, kill_group, popen, run, wait_for_json
 from test_gpt import cache
 from test_gpt_sharding import script_file, train
 
@@ -134,3 +134,20 @@ def test_the_breakdown_counts_overlapping_spans_once_and_their_overlap():
     ]
     trace = {"traceEvents": [{"ph": "X", "name": n, "cat": c, "ts": t, "dur": d} for n, c, t, d in spans]}
     assert breakdown(trace) == {"compute": 2.5, "collectives": 2.0, "overlapped": 0.5}
+
+
+# ---- the benchmark's comparisons (make bench-gpt) ----------------------------------------------------------
+COMPARISONS = [("--shards", "shards", "in_memory"), ("--metrics", "metrics_on", "metrics_off")]
+
+
+@pytest.mark.parametrize("flag, variant, baseline", COMPARISONS)
+def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(tmp_path, cache, flag, variant, baseline):
+    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
+    cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "out.json", "--"]
+    cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
+    proc = run(cmd, timeout=900)
+    printed = re.search(rf"ratio {variant}/{baseline} \(goal >= 0.98\) ([0-9.]+)", proc.stdout)
+    report = json.loads((tmp_path / "out.json").read_text())
+    (base,), (other,) = report["tokens_per_s"][baseline], report["tokens_per_s"][variant]
+    assert float(printed.group(1)) == pytest.approx(other / base, abs=1e-3), proc.stdout
+    assert report["ratio"] == pytest.approx(other / base, abs=1e-3)
