@@ -102,7 +102,7 @@ class RankTimes:
         if not dist.is_initialized():
             return mine.tolist()
         every = torch.empty(dist.get_world_size(), device=self.device)
-        dist.all_gather_into_tensor(every, mine)
+        dist.all_gather_single(every, mine)
         return every.tolist()
 
     def report(self, times, factor):
