@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from snapshots import all_ranks
 
-# The JSON keys and their TensorBoard tags; any other number is written under its own key.
+# The JSON keys written as TensorBoard scalars, and their tags.
 TAGS = {
     "loss": "train/loss",
     "val_loss": "val/loss",
@@ -38,8 +38,8 @@ class Metrics:
             print(text, flush=True)
 
     def record(self, step, scalars=None, **fields):
-        """One JSON line {"step": step, **fields}; every number in it, and in `scalars` (TensorBoard only:
-        {tag: value}), as a scalar at `step`."""
+        """One JSON line {"step": step, **fields}; its TAGS, and `scalars` (TensorBoard only: {tag: value}),
+        as scalars at `step`."""
         if not (self.leads and self.path):
             return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -51,7 +51,7 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter  # the tensorboard package
 
             self.writer = SummaryWriter(os.path.dirname(os.path.abspath(self.path)))
-        numbers = {TAGS.get(key, key): value for key, value in fields.items() if is_number(value)}
+        numbers = {TAGS[key]: value for key, value in fields.items() if key in TAGS and is_number(value)}
         for tag, value in {**numbers, **(scalars or {})}.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # readable now: a run stopped or killed keeps what it logged
