@@ -167,6 +167,7 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 
 # ---- Docker and two nodes (variables above) ----
 .PHONY: image image-ray image-current base-image two-node two-node-cpu two-node-accelerate two-node-down
+.PHONY: two-node-failover
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
 	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
@@ -209,6 +210,11 @@ two-node-accelerate: image-current ## the accelerate example across two containe
 
 two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
 	$(COMPOSE) $(COMPOSE_CPU) --profile shaped down --volumes --remove-orphans
+
+# FAILOVER_ARGS: options of tools/two_node_failover.py, e.g. --crash (root) or --epochs 80 --project NAME
+FAILOVER_ARGS ?=
+two-node-failover: image-current ## two nodes, elastic: node1 killed after a snapshot and started again; an account
+	$(PYTHON3) tools/two_node_failover.py --image $(IMAGE) $(FAILOVER_ARGS)
 
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
