@@ -151,3 +151,13 @@ def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(tmp_path, cache,
     (base,), (other,) = report["tokens_per_s"][baseline], report["tokens_per_s"][variant]
     assert float(printed.group(1)) == pytest.approx(other / base, abs=1e-3), proc.stdout
     assert report["ratio"] == pytest.approx(other / base, abs=1e-3)
+
+
+def test_plot_trace_draws_the_traces_of_every_process(slowed, tmp_path):
+    folder, _, _ = slowed
+    run([PYTHON, REPO / "tools" / "plot_trace.py", folder / "traces", tmp_path / "trace.png"], timeout=300)
+    assert (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = [PYTHON, REPO / "tools" / "plot_trace.py", tmp_path, tmp_path / "x.png"]
+    proc = run(empty, timeout=300, check=False)
+    assert proc.returncode == 2 and "holds no rank*.json trace" in proc.stdout, proc.stdout
+    assert not (tmp_path / "x.png").exists()
