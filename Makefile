@@ -225,6 +225,12 @@ fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run res
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
 	$(PY) tools/pitfalls.py
 
+# RUN: the folder whose hang/ holds the dumps that a timeout left (examples/gpt/hang.py, docs/troubleshooting.md)
+RUN ?=
+.PHONY: why-hung
+why-hung: $(ENV) ## which process hangs where, from the dumps of a timeout in RUN/hang: make why-hung RUN=FOLDER
+	$(PY) tools/why_hung.py $(RUN)
+
 # ==== Benchmarks: tools/bench.py (every launcher side by side) and tools/allreduce_bench.py ============
 # make bench BENCH_ARGS=--full        longer runs; any option of tools/bench.py goes in BENCH_ARGS
 # make bench-allreduce ALLREDUCE_ARGS="--max_bytes 16M"
