@@ -438,11 +438,17 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
         (["--snapshot_path", "blocker/s.pt"], "--snapshot_path blocker/s.pt: "),
         (["--metrics_path", "blocker/deeper/m.jsonl"], "--metrics_path blocker/deeper/m.jsonl: "),
         (["--restarts"], "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"),
+        (["--profile_steps", "3:2"], "argument --profile_steps: expected 1 <= FIRST <= LAST, got '3:2'"),
+        (["--profile_steps", "3"], "argument --profile_steps: expected FIRST:LAST, two step numbers"),
+        (["--profile_dir", "blocker/t"], "--profile_dir blocker/t: "),
+        (["--slow_factor", "0.5"], "--slow_factor must be 0 or 1 or more, got 0.5"),
+        (["--memory_snapshot", "m.pickle"], "--memory_snapshot records CUDA allocations: it needs a GPU"),
     ],
 )
 def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a machine with GPUs
     (tmp_path / "blocker").write_text("a file where a folder would have to be")
     if args == ["--restarts"]:  # what torchrun --max-restarts=3 tells its workers when it shares its store
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

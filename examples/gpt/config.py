@@ -171,6 +171,11 @@ def get_parser():
     )  # fmt: skip
     group.add_argument("--profile_dir", default="traces", help="--profile_steps: the traces' folder (traces)")
     group.add_argument(
+        "--memory_snapshot", metavar="FILE",
+        help="GPU: record every CUDA allocation and write the history to FILE at the end, for "
+        "pytorch.org/memory_viz (each process: FILE.rankR)",
+    )  # fmt: skip
+    group.add_argument(
         "--snapshot_path", default="gpt_snapshot",
         help="the snapshot directory to resume from and save to, any layout's (%(default)s)",
     )  # fmt: skip
@@ -300,6 +305,7 @@ def parse_args(argv=None):
         ),
         (args.ac_every is None or args.ac_every > 0, f"--ac_every must be positive, got {args.ac_every}"),
         (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
+        (cuda or args.memory_snapshot is None, "--memory_snapshot records CUDA allocations: it needs a GPU"),
         (
             not os.path.isfile(args.snapshot_path),
             f"--snapshot_path {args.snapshot_path} is a file: snapshots are directories; to start from a "
@@ -320,7 +326,7 @@ def parse_args(argv=None):
         if not ok:
             parser.error(message)
     args.ac_every = 2 if args.ac_every is None else args.ac_every
-    for option in ("snapshot_path", "metrics_path", "profile_dir"):  # found now, not after training
+    for option in ("snapshot_path", "metrics_path", "profile_dir", "memory_snapshot"):  # now, not at the end
         problem = unwritable(getattr(args, option))
         if problem:
             parser.error(f"--{option} {getattr(args, option)}: {problem}")

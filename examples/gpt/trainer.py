@@ -13,7 +13,7 @@ import snapshots
 import torch
 import torch.distributed as dist
 from config import resolve_dtype
-from memory import MemoryMeter
+from memory import MemoryHistory, MemoryMeter
 from metrics import Metrics, RankTimes
 from model import GPT, flops_per_token, optimizer_groups, parameter_count
 from snapshots import all_ranks, model_config
@@ -195,6 +195,7 @@ class Trainer:
         if self.corpus.unigram is not None:
             self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
+        history = MemoryHistory(a.memory_snapshot and f"{a.memory_snapshot}.rank{self.rank}", self.device)
         self.times = self.parallel.forward_timer = RankTimes(self.device)
         profiler = a.profile_steps and StepProfiler(a.profile_steps, a.profile_dir, self.rank, self.device)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
@@ -209,6 +210,7 @@ class Trainer:
                 due = False
             if stopping and loss_ok:
                 self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
+                history.dump()
                 return False
             self.update(loss, norm, loss_ok, norm_ok)
             losses += [loss] if loss_ok else []
@@ -233,6 +235,7 @@ class Trainer:
                 clock = time.perf_counter()
         if profiler:
             profiler.finish()
+        history.dump()
         self.finish(meter)
         return True
 
