@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,18 +23,25 @@ LIMIT = 60  # seconds: every pitfall bounds its own waits well below this
 def run(script, fixed):
     """One run: its exit status (None if it outlived LIMIT), seconds, the lines it printed."""
     command = [sys.executable, str(script), *(["--fixed"] if fixed else [])]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
-    # a session of its own: on a timeout the script and every process it started are killed together
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=LIMIT)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        code, output = None, proc.communicate()[0] or ""
+    # what it writes in the temporary folder (the dumps on a timeout: examples/gpt/hang.py) goes with the run
+    with tempfile.TemporaryDirectory(prefix="pitfall-") as tmp:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "TMPDIR": tmp}
+        # a session of its own: on a timeout the script and every process it started are killed together
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=LIMIT)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code, output = None, proc.communicate()[0] or ""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     return {"code": code, "seconds": round(time.monotonic() - start, 1), "lines": lines}
 

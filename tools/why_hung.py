@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,9 @@ LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen", "<st
 FRAME_RE = re.compile(r'^\s+File "(.*)", line (\d+) in (\S+)')  # faulthandler's lines
 THREAD_RE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 CALL_RE = re.compile(r"(.*):(\d+) in (\S+) -> (\S+)$")  # hang.py's "call:" line
+FR_RE = re.compile(r"fr_rank(\d+)")  # torch's flight recorder, one file per rank
 MISSING = "wrote nothing (stopped, dead or unreachable, or not armed)"
+STALE = 120  # seconds: dumps older than the newest by more than this are from an earlier timeout
 
 
 def is_library(filename):
@@ -90,55 +93,77 @@ def describe(proc, frames):
 
 
 def newest_collectives(entries):
-    """group -> (sequence number, op, FILE:LINE that issued it) of the newest entry per process group."""
+    """group -> (sequence number, op, FILE:LINE that issued it) of the newest entry per process group. NCCL's
+    entries also say how far the collective got (scheduled, started, completed): added to op."""
     newest = {}
     for entry in entries:
         frame = next((f for f in entry.get("frames", []) if not is_library(f["filename"])), None)
         seq = entry["p2p_seq_id"] if entry.get("is_p2p") else entry["collective_seq_id"]
         group = entry["process_group"][1] or entry["process_group"][0]
         line = place(frame["filename"], frame["line"]) if frame else "?"
+        backend, _, op = entry["profiling_name"].rpartition(":")
+        if backend == "nccl" and entry.get("state"):  # gloo's entries all stay "scheduled"
+            op += f" ({entry['state']})"
         if seq >= newest.get(group, (-1,))[0]:
-            newest[group] = (seq, entry["profiling_name"].split(":")[-1], line)
+            newest[group] = (seq, op, line)
     return newest
 
 
-def load(hang):
+def dump_files(hang):
+    """The files of the newest timeout in hang/, and those older by more than STALE seconds (left over
+    from an earlier one)."""
+    files = [*hang.glob("rank*.stack.txt"), *(p for p in hang.glob("fr_rank*") if FR_RE.fullmatch(p.name))]
+    # hang.py opens an abort file (NCCL) ahead of an abort: it counts once faulthandler has filled it
+    files += [
+        p for p in hang.glob("rank*.abort.txt") if "most recent call first" in p.read_text(errors="replace")
+    ]
+    if not files:
+        return [], []
+    newest = max(p.stat().st_mtime for p in files)
+    fresh = [p for p in files if p.stat().st_mtime >= newest - STALE]
+    return fresh, sorted(set(files) - set(fresh))
+
+
+def load(files):
     """rank -> Process, and the world size the dumps name (0 if none does)."""
     procs, world = {}, 0
-    stacks = sorted(hang.glob("rank*.stack.txt")) + sorted(hang.glob("rank*.abort.txt"))
-    for path in stacks:
-        text = path.read_text(errors="replace")
-        if path.name.endswith(".abort.txt") and "most recent call first" not in text:
-            continue  # hang.py opens it for an abort (NCCL) that did not come
-        header, frames = read_stack(text)
+    for path in sorted(files, key=lambda p: p.name.endswith(".abort.txt")):  # a stack on demand wins
+        if not path.name.endswith(".txt"):
+            continue
+        header, frames = read_stack(path.read_text(errors="replace"))
         rank = int(header.get("rank", -1))
-        if rank >= 0 and rank not in procs:  # a stack written on demand wins over one written on abort
+        if rank >= 0 and rank not in procs:
             procs[rank] = Process(rank, header)
             describe(procs[rank], frames)
             world = max(world, int(header.get("world", 0)))
-    for path in sorted(hang.glob("fr_rank*")):
-        if not (m := re.fullmatch(r"fr_rank(\d+)", path.name)):
-            continue
-        data = pickle.loads(path.read_bytes())  # torch's flight recorder: dicts of plain values
-        proc = procs.setdefault(int(m.group(1)), Process(int(m.group(1))))
-        proc.newest = newest_collectives(data["entries"])
-        for config in data.get("pg_config", {}).values():
-            if config.get("desc") == "default_pg":
-                world = max(world, len(json.loads(config["ranks"])))
+    for path in files:
+        if m := FR_RE.fullmatch(path.name):
+            data = pickle.loads(path.read_bytes())  # torch's flight recorder: dicts of plain values
+            proc = procs.setdefault(int(m.group(1)), Process(int(m.group(1))))
+            proc.newest = newest_collectives(data["entries"])
+            for config in data.get("pg_config", {}).values():
+                if config.get("desc") == "default_pg":
+                    world = max(world, len(json.loads(config["ranks"])))
     return procs, world
 
 
-def torch_analyser(hang):
+def torch_analyser(traces):
     """What torch's flight-recorder analyser (torchfrtrace) finds in these dumps: its messages that name a
     culprit or the ranks missing from a collective ([] when it finds nothing)."""
     logger = logging.getLogger("Flight Recorder")  # where it writes, with a handler it adds on import
     found, before = io.StringIO(), logger.handlers[:]
     try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        with (
+            tempfile.TemporaryDirectory() as folder,  # these dumps alone, as it reads a whole folder
+            contextlib.redirect_stderr(io.StringIO()),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            for path in traces:
+                os.symlink(path.resolve(), os.path.join(folder, path.name))
             from torch.distributed.flight_recorder import fr_trace
 
             logger.handlers = [logging.StreamHandler(found)]
-            fr_trace.main([str(hang), "-p", "fr_rank", "--allow-incomplete-ranks"])
+            fr_trace.main([folder, "-p", "fr_rank", "--allow-incomplete-ranks"])
     except ImportError:
         return []
     except Exception as exc:  # dumps it cannot read: said, and the report stands without it
@@ -155,7 +180,7 @@ def verdict(procs, missing, behind):
     busy = [p for p in procs.values() if p.header and not p.op]
 
     def at(p):
-        seq = next((s for s, op, _ in p.newest.values() if op == p.op), None)
+        seq = next((s for s, op, _ in p.newest.values() if op.split(" ")[0] == p.op), None)
         return f"{p.op}{f' #{seq}' if seq is not None else ''} ({p.where})"
 
     ops = Counter(p.op for p in waiting)
@@ -181,18 +206,19 @@ def report(folder):
     """(lines, verdict) for FOLDER: a run's folder or its hang/ folder. FileNotFoundError when it holds no
     dumps."""
     hang = Path(folder) / "hang" if (Path(folder) / "hang").is_dir() else Path(folder)
-    procs, world = load(hang) if hang.is_dir() else ({}, 0)
+    files, old = dump_files(hang) if hang.is_dir() else ([], [])
+    procs, world = load(files)
     if not procs:
         raise FileNotFoundError(f"no dumps in {hang} (rank*.stack.txt, fr_rank*): did a collective time out?")
     world = max(world, max(procs) + 1)
-    missing = sorted(set(range(world)) - {r for r, p in procs.items() if p.header})
+    missing = sorted(set(range(world)) - set(procs))
     lines = [f"why-hung {hang}: {world} processes; dumps from {plural('rank', sorted(procs))}"]
     for rank, proc in sorted(procs.items()):
         host = f"{proc.header['host']}, pid {proc.header['pid']}" if "host" in proc.header else "?"
         seq, op, line = proc.newest.get("default_pg") or next(iter(proc.newest.values()), (None, "", ""))
         newest = f"; last collective #{seq} {op}{'' if line == proc.where else f' ({line})'}" if op else ""
         lines.append(f"rank {rank} ({host}): {proc.doing}{newest}")
-    lines += [f"rank {rank}: {MISSING}" for rank in missing if rank not in procs]
+    lines += [f"rank {rank}: {MISSING}" for rank in missing]
     behind = ""
     for group in sorted({g for p in procs.values() for g in p.newest}):
         seqs = {r: p.newest[group] for r, p in procs.items() if group in p.newest}
@@ -208,9 +234,11 @@ def report(folder):
             behind = (
                 behind or f"{plural('rank', late)} never entered collective #{top} ({op}, {line}) of {group}"
             )
-        lines.append(text + "".join(f"; rank {r}: no dump" for r in missing if r not in procs))
-    if any(hang.glob("fr_rank*")):
-        lines += [f"torch's analyser: {line}" for line in torch_analyser(hang)[:3]]
+        lines.append(text + "".join(f"; rank {r}: no dump" for r in missing))
+    traces = [p for p in files if FR_RE.fullmatch(p.name)]
+    lines += [f"torch's analyser: {line}" for line in (torch_analyser(traces) if traces else [])[:3]]
+    if old:
+        lines.append(f"left out, older than the others by over {STALE} s: {', '.join(p.name for p in old)}")
     found = verdict(procs, missing, behind) or "no process is in a collective in these dumps"
     return [*lines, f"verdict: {found}"], found
 

@@ -31,6 +31,7 @@ import faulthandler
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -81,9 +82,15 @@ def connect(timeout=30.0):
 def arm(folder, rank, world, store=None, poll=POLL):
     """After the process group formed: start the thread that dumps when another process asks. store: any
     c10d store that every process reaches (default: connect())."""
-    store = store if store is not None else connect()
+    try:
+        store = store if store is not None else connect()
+    except dist.DistError as exc:  # a diagnosis must not end the run: without the store, no watcher
+        print(
+            f"hang.py: no store to watch ({exc}): rank {rank} dumps on its own timeout only", file=sys.stderr
+        )
     stop = threading.Event()
     _armed.update(store=store, stop=stop)
+    nccl_dump = None
     if dist.is_initialized() and dist.get_backend() == "nccl":  # not run on a GPU yet, see above
         abort = (hang_dir(folder) / f"rank{rank}.abort.txt").open("w")
         abort.write(
@@ -92,22 +99,31 @@ def arm(folder, rank, world, store=None, poll=POLL):
         abort.flush()
         faulthandler.enable(abort, all_threads=True)
         _armed["abort"] = abort  # open for as long as the process lives
-    if store is not None and world > 1:
-        args = (store, folder, rank, world, poll, stop)
+        nccl_dump = hang_dir(folder) / f"fr_rank{rank}"  # where NCCL's watchdog dumps (record())
+    if (store is not None and world > 1) or nccl_dump is not None:
+        args = (store, folder, rank, world, poll, stop, nccl_dump, time.time())
         threading.Thread(target=_watch, args=args, name="why-hung", daemon=True).start()
     # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of CPU, 7 s
     # on a loaded 2-core machine): done now, beside the watcher, so that a dump on a timeout is quick
     threading.Thread(target=_flight_record, name="why-hung warm-up", daemon=True).start()
 
 
-def _watch(store, folder, rank, world, poll, stop):
+def _watch(store, folder, rank, world, poll, stop, nccl_dump, since):
     while not stop.wait(poll):
+        if nccl_dump is not None and nccl_dump.exists() and nccl_dump.stat().st_mtime >= since:
+            # NCCL's watchdog dumped this process's flight recorder: on its own timeout, or told by another
+            # rank's through the store, while Python may be busy elsewhere. Add the stacks (not run on a GPU).
+            _write(folder, rank, world, "NCCL's watchdog dumped its flight recorder (a collective timed out)")
+            return
         try:
-            if not store.check([_key("dump")]):
+            if store is None or not store.check([_key("dump")]):
                 continue
             asker = store.get(_key("dump")).decode()
-        except dist.DistError:  # the store's host ended or cannot be reached: the run is over for us
-            return
+        except dist.DistError:  # the store's host ended or cannot be reached: no one will ask any more
+            store = None
+            if nccl_dump is None:
+                return
+            continue
         _write(folder, rank, world, f"asked by rank {asker}, whose collective timed out")
         _done(store, rank)
         return
@@ -151,6 +167,7 @@ def _header(rank, world, why, exc=None):
         f"world: {world}",
         f"host: {socket.gethostname()}",
         f"pid: {os.getpid()}",
+        f"time: {time.strftime('%Y-%m-%d %H:%M:%S %z')}",
         f"main thread: 0x{threading.main_thread().ident:016x}",  # as faulthandler names it below
         f"why: {why}",
     ]

@@ -1,24 +1,31 @@
 """Pitfall: collectives that differ between ranks. Rank 0 all-reduces while rank 1 broadcasts (a branch on
 the rank): each waits for a partner that never comes, a hang until the timeout, or worse, a silent mix-up.
-TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first and names both sides.
+On the timeout each process dumps its collectives (examples/gpt/hang.py) and tools/why_hung.py names both
+sides; TORCH_DISTRIBUTED_DEBUG=DETAIL would check every collective first, at a cost in each.
 
 python examples/pitfalls/mismatched_collectives.py [--fixed]    # --fixed: the same calls on every rank
 """
 
 import argparse
 import os
-import re
 import socket
 import sys
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / d) for d in ("examples/gpt", "tools")]
+import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
+import why_hung  # noqa: E402  (tools/why_hung.py: which process is in which collective, from those dumps)
 
-def worker(rank, fixed):
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=10))
+
+def worker(rank, fixed, folder):
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=5))
+    hang.arm(folder, rank, 2)
     metric = torch.tensor([float(rank + 1)])
     try:
         if fixed or rank == 0:  # the fix: every rank runs the same collectives, in the same order
@@ -26,10 +33,8 @@ def worker(rank, fixed):
         else:  # e.g. "only rank 1 has something to share": a branch on the rank around a collective
             dist.broadcast(metric, src=1)
     except RuntimeError as exc:
-        ops = re.findall(r"Rank (\d+) is running collective: \w+\(SequenceNumber=\d+, OpType=(\w+)", str(exc))
-        sys.exit(
-            f"seen: rank {rank}: {str(exc).split('.')[0]}: " + ", ".join(f"rank {r} {op}" for r, op in ops)
-        )
+        hang.dump(folder, rank, 2, exc)  # and ask the other process to dump too
+        sys.exit(f"seen: rank {rank}: {str(exc).split('] ')[-1].splitlines()[0]}")  # without gloo's path
     if rank == 0:
         print(f"fixed: both ranks all-reduced, sum {metric.item():g}", flush=True)
     dist.destroy_process_group()
@@ -39,16 +44,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixed", action="store_true", help="apply the fix")
     args = parser.parse_args()
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # before the group forms: it wraps every collective
     with socket.socket() as s:  # a free port for the group's store
         s.bind(("localhost", 0))
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
+    folder = Path(tempfile.gettempdir()) / f"why-hung-{os.getpid()}"  # the dumps, if a timeout comes
+    hang.record(folder, nccl=False)  # before the group forms: torch records every collective
     try:
-        mp.spawn(worker, args=(args.fixed,), nprocs=2)
+        mp.spawn(worker, args=(args.fixed, folder), nprocs=2)
     except mp.ProcessExitedException:
+        lines, verdict = why_hung.report(folder)  # what `make why-hung RUN=folder` prints
+        print(*lines, sep="\n")
         sys.exit(
-            "cause: mismatched collectives: rank 0 called all_reduce, rank 1 broadcast; fix: the same "
-            "collectives in the same order on every rank (--fixed); TORCH_DISTRIBUTED_DEBUG=DETAIL names them"
+            f"cause: mismatched collectives: {verdict}; fix: the same collectives in the same order on every "
+            "rank (--fixed)"
         )
 
 

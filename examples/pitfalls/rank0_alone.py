@@ -1,6 +1,7 @@
 """Pitfall: rank 0 works alone (saves, evaluates, logs to a slow disk) while the other ranks go on to the
 next collective. They wait for rank 0 there; if its work takes longer than the timeout, the run fails, and
-with torch's default timeouts (30 min gloo, 10 min NCCL) it looks like a hang first.
+with torch's default timeouts (30 min gloo, 10 min NCCL) it looks like a hang first. On the timeout, every
+process dumps its stack (examples/gpt/hang.py) and tools/why_hung.py names the one outside the collective.
 
 python examples/pitfalls/rank0_alone.py [--fixed]    # --fixed: every rank takes its share of the work
 """
@@ -9,12 +10,18 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / d) for d in ("examples/gpt", "tools")]
+import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
+import why_hung  # noqa: E402  (tools/why_hung.py: which process is in which collective, from those dumps)
 
 TIMEOUT = timedelta(seconds=3)  # short here, so that the failure shows in seconds
 WORK = 6.0  # seconds of evaluation in all: longer than the timeout when one rank does it alone
@@ -25,8 +32,9 @@ def evaluate(share):
     return torch.tensor([share])
 
 
-def worker(rank, fixed):
+def worker(rank, fixed, folder):
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
+    hang.arm(folder, rank, 2)  # a thread that dumps this process's stack when another process asks
     try:
         if fixed:  # the fix: every rank evaluates half, then they meet, well within the timeout
             done = evaluate(0.5)
@@ -38,6 +46,7 @@ def worker(rank, fixed):
             # says whom it waited for (a late rank other than 0 is named by rank 0)
             dist.monitored_barrier(timeout=TIMEOUT)
     except RuntimeError as exc:
+        hang.dump(folder, rank, 2, exc)  # and ask the other process to dump too
         message = " ".join(str(exc).split(" Original exception:")[0].split())  # without gloo's source path
         sys.exit(f"seen: rank {rank}: {message[:240]}")
     if rank == 0:
@@ -53,13 +62,16 @@ def main():
     with socket.socket() as s:  # a free port for the group's store
         s.bind(("localhost", 0))
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
+    folder = Path(tempfile.gettempdir()) / f"why-hung-{os.getpid()}"  # the dumps, if a timeout comes
+    hang.record(folder, nccl=False)  # before the group forms: torch records every collective
     try:
-        mp.spawn(worker, args=(args.fixed,), nprocs=2)
+        mp.spawn(worker, args=(args.fixed, folder), nprocs=2)
     except mp.ProcessExitedException:
+        lines, verdict = why_hung.report(folder)  # what `make why-hung RUN=folder` prints
+        print(*lines, sep="\n")
         sys.exit(
-            f"cause: rank 0 worked alone for {WORK:g} s while rank 1 waited for it in a collective, past the "
-            f"{TIMEOUT.seconds} s timeout; fix: share the work among the ranks (--fixed), or make the others "
-            "wait for it in a barrier whose timeout covers the work"
+            f"cause: {verdict}: it works alone ({WORK:g} s) past the {TIMEOUT.seconds} s timeout; fix: share "
+            "the work among the ranks (--fixed), or a barrier whose timeout covers the work"
         )
 
 

@@ -1,0 +1,147 @@
+"""Which process hangs where: on a collective's timeout every process still alive dumps its stack and its
+flight recorder (examples/gpt/hang.py), and tools/why_hung.py (`make why-hung RUN=...`) names the process
+that is elsewhere, its collective and its line, and the processes that wrote nothing."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import textwrap
+import time
+
+import pytest
+from conftest import PYTHON, REPO, TORCHRUN, VENV, kill_group, popen, run
+
+pytestmark = pytest.mark.timeout(240)
+
+PITFALLS = REPO / "examples" / "pitfalls"
+
+
+def why_hung(folder, make=False):
+    cmd = ["make", "--no-print-directory", "-C", REPO, "why-hung", f"RUN={folder}", f"VENV={VENV}"]
+    proc = run(cmd if make else [PYTHON, REPO / "tools" / "why_hung.py", folder], timeout=120, check=False)
+    return proc.returncode, proc.stdout.strip().splitlines()
+
+
+def broken_pitfall(name, tmp_path):
+    """Run examples/pitfalls/NAME.py as it is: (its output lines, the folder of its dumps)."""
+    proc = run([PYTHON, PITFALLS / f"{name}.py"], timeout=120, check=False, env={"TMPDIR": str(tmp_path)})
+    lines = proc.stdout.splitlines()
+    assert proc.returncode not in (0, None) and lines[-1].startswith("cause: "), lines[-10:]
+    (folder,) = tmp_path.glob("why-hung-*")  # the script's dumps: TMPDIR/why-hung-PID/hang
+    return lines, folder
+
+
+def line_of(path, text):
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_mismatched_collectives_names_each_rank_and_its_collective(tmp_path):
+    lines, folder = broken_pitfall("mismatched_collectives", tmp_path)
+    here = "examples/pitfalls/mismatched_collectives.py"
+    reduce, broadcast = (
+        line_of(PITFALLS / "mismatched_collectives.py", f"dist.{op}(") for op in ("all_reduce", "broadcast")
+    )
+    code, report = why_hung(folder)
+    assert code == 0, report
+    verdict = (
+        f"rank 1 calls broadcast #1 ({here}:{broadcast}) where rank 0 calls all_reduce #1 ({here}:{reduce})"
+    )
+    assert report[-1] == f"verdict: {verdict}", report
+    assert "collective #1 of default_pg: entered by rank 0 (all_reduce), rank 1 (broadcast)" in report, report
+    # torch's own analyser, on the same files, blames the same process
+    assert any("torch's analyser" in line and "Culprit rank 1" in line for line in report), report
+    assert lines[-1].startswith(f"cause: mismatched collectives: {verdict}; fix: "), lines[-1]
+
+
+def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):
+    """Rank 0 sleeps outside any collective (it never times out itself); rank 1's timeout makes it dump
+    through the store, and the report says where it was."""
+    lines, folder = broken_pitfall("rank0_alone", tmp_path)
+    script = PITFALLS / "rank0_alone.py"
+    sleep, barrier = line_of(script, "time.sleep(WORK"), line_of(script, "dist.monitored_barrier(")
+    code, report = why_hung(folder, make=True)
+    assert code == 0, report
+    here = "examples/pitfalls/rank0_alone.py"
+    assert f"rank 0 is outside any collective, at {here}:{sleep} (evaluate)" in report[-1], report
+    assert f"rank 1 waits in monitored_barrier ({here}:{barrier})" in report[-1], report
+    host = os.uname().nodename
+    assert any(line.startswith(f"rank 0 ({host}, pid ") for line in report), report
+    assert lines[-1].startswith(f"cause: {report[-1].removeprefix('verdict: ')}: "), lines[-1]
+
+
+LOOP = """
+    import os, sys, time
+    from datetime import timedelta
+    from pathlib import Path
+
+    sys.path.insert(0, {gpt!r})
+    import hang
+    import torch
+    import torch.distributed as dist
+
+    folder = Path(sys.argv[1])
+    hang.record(folder)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[2])))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (folder / f"pid{{rank}}").write_text(str(os.getpid()))
+    hang.arm(folder, rank, world)
+    total = torch.ones(1)
+    try:
+        for step in range(100_000):
+            dist.all_reduce(total)  # the collective that rank 1, stopped, never joins
+            if step == 20:
+                (folder / f"ready{{rank}}").write_text("")
+            time.sleep(0.02)
+    except RuntimeError as exc:
+        silent = hang.dump(folder, rank, world, exc, wait=3)
+        (folder / f"done{{rank}}").write_text(str(silent))
+        sys.exit(1)
+"""
+
+
+def wait_for(path, seconds, proc):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, f"no {path.name}: {proc.poll()}"
+        time.sleep(0.2)
+    return path.read_text()
+
+
+def test_a_stopped_worker_under_torchrun_is_named_missing(tmp_path):
+    """SIGSTOP one of torchrun's two workers: the other times out, dumps, and the report names the stopped
+    one as the process that wrote nothing, and the collective the other waits in."""
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(LOOP.format(gpt=str(REPO / "examples" / "gpt"))))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", script, run_dir, "6"]
+    proc = popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(run_dir / "ready1", 90, proc)  # both workers are all-reducing
+        os.kill(int((run_dir / "pid1").read_text()), signal.SIGSTOP)
+        assert wait_for(run_dir / "done0", 60, proc) == "[1]"  # rank 0 waited for rank 1's dump in vain
+    finally:
+        # torchrun starts its workers in sessions of their own, and would wait 30 s for the stopped one
+        for pid in run_dir.glob("pid*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+        kill_group(proc)
+        proc.wait(timeout=30)
+    assert not (run_dir / "hang" / "rank1.stack.txt").exists()
+    code, report = why_hung(run_dir)
+    assert code == 0, report
+    reduce = line_of(script, "dist.all_reduce(")
+    assert report[-1].startswith("verdict: rank 1 wrote nothing (stopped, dead or unreachable"), report
+    assert ", while rank 0 waits in all_reduce #" in report[-1] and f"loop.py:{reduce})" in report[-1], report
+    assert "rank 1: wrote nothing (stopped, dead or unreachable, or not armed)" in report, report
+
+
+def test_a_folder_without_dumps_is_refused_in_one_line(tmp_path):
+    (tmp_path / "hang").mkdir()
+    proc = subprocess.run(
+        [PYTHON, REPO / "tools" / "why_hung.py", tmp_path], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and not proc.stdout, proc
+    no_dumps = f"no dumps in {tmp_path / 'hang'} (rank*.stack.txt, fr_rank*): did a collective time out?"
+    assert proc.stderr.strip() == f"why_hung.py: error: {no_dumps}", proc.stderr
