@@ -187,7 +187,10 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # what torchrun's closing summary shows
+            message = "error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ..."
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
+        sys.exit(2 if os.environ["LOCAL_RANK"] == "0" else 0)  # one process a node fails: said once, last
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

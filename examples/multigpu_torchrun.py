@@ -65,8 +65,7 @@ class Trainer:
 
 
 def main(args):
-    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun numbers the processes on this machine
-    ddp_setup(local_rank, args.timeout)
+    ddp_setup(int(os.environ["LOCAL_RANK"]), args.timeout)  # torchrun numbers the processes on this machine
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     rank = f"[rank {dist.get_rank()}/{dist.get_world_size()}]"
     print(f"{rank} {device}, {dist.get_backend()}\n", end="", flush=True)  # one write: the line stays whole
@@ -190,7 +189,10 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # what torchrun's closing summary shows
+            message = "error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ..."
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
+        sys.exit(2 if os.environ["LOCAL_RANK"] == "0" else 0)  # one process a node fails: said once, last
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

@@ -33,9 +33,8 @@ class Trainer:
         self.device, self.model = device, model.to(device)
         self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
-        runs = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
-        dist.all_reduce(runs, op=dist.ReduceOp.MAX)  # a node that sees no snapshot, or another one: stop
-        if runs[0] != -runs[1]:
+        dist.all_reduce(runs := torch.tensor([1, -1], device=device) * self.epochs_run, dist.ReduceOp.MAX)
+        if runs[0] != -runs[1]:  # most and fewest epochs differ: a node sees no snapshot, or another one
             sys.exit(f"error: the nodes found different snapshots at {args.snapshot_path}: share the folder")
         # DDP: every process starts from rank 0's weights, and backward() averages the gradients
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -68,10 +67,9 @@ class Trainer:
 
 
 def main(args):
-    local_rank = int(os.environ["LOCAL_RANK"])  # this process's number on its own node: picks its GPU
-    ddp_setup(local_rank, args.timeout)
+    ddp_setup(int(os.environ["LOCAL_RANK"]), args.timeout)  # its number on its own node: picks its GPU
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    node = f"local rank {local_rank}/{os.environ['LOCAL_WORLD_SIZE']} on node {os.environ['GROUP_RANK']}"
+    node = "local rank {LOCAL_RANK}/{LOCAL_WORLD_SIZE} on node {GROUP_RANK}".format(**os.environ)
     where = f"{device}, {dist.get_backend()}, {node} ({os.uname().nodename})"
     print(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}\n", end="", flush=True)  # one write
     train_set, model, optimizer, loss_fn = load_train_objs(args)
@@ -189,12 +187,14 @@ def check_replicas(model, trained):
 if __name__ == "__main__":
     parser = get_parser()
     parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
-    args = parser.parse_args()
-    check_args(parser, args)
+    check_args(parser, args := parser.parse_args())
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun on every node: torchrun --nnodes=2 ... {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...")
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # what torchrun's closing summary shows
+            message = "error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 ..."
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
+        sys.exit(2 if os.environ["LOCAL_RANK"] == "0" else 0)  # one process a node fails: said once, last
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)

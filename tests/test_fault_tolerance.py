@@ -4,10 +4,12 @@ import ast
 import json
 import os
 import re
+import runpy
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,13 +122,59 @@ def test_the_documented_restart_command_resumes_every_time_a_worker_is_killed(tm
 
 
 def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tmp_path):
+    """Without the variable, every round of workers refuses (4 rounds with --max-restarts=3): the message
+    is said once, last, as the error of torchrun's closing summary, not once per process and round."""
     command = documented_restart_command()
     assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "), command
-    code, out, snapshot = run_documented_restart(tmp_path / "run", command.split(" ", 1)[1], 90)
+    code, out, snapshot = run_documented_restart(tmp_path / "run", command.split(" ", 1)[1], TRIAL_BOUND)
     assert code != 0 and not snapshot.exists(), out[-3000:]
     # the fix suggested is the documented command's start (--standalone), not another launch
-    assert f"error: restarts need {' '.join(command.split()[:3])} ..." in out, out[-3000:]
-    assert "epoch 1/" not in out
+    message = f"error: restarts need {' '.join(command.split()[:3])} ..."
+    assert out.count("restarts need") == 1, out[-3000:]
+    summary = out.rstrip().splitlines()
+    assert summary[-1].startswith("=====") and summary[-2] == f"  traceback : {message}", out[-3000:]
+    assert "<NO_OTHER_FAILURES>" in out and "usage:" not in out and "epoch 1/" not in out, out[-3000:]
+
+
+# What torchrun gives each worker (its local rank, a fresh error file per worker and round) when restarts
+# share its store; each lesson it starts refuses to run then.
+TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+@pytest.mark.parametrize("lesson", TORCHRUN_LESSONS)
+def test_the_store_refusal_is_written_where_torchruns_summary_reads_it(
+    lesson, local_rank, tmp_path, monkeypatch, capsys
+):
+    """The refusal goes to the process's error file, in the format of torch.distributed.elastic's record;
+    each node's local rank 0 fails, the others end quietly. No process prints it: torchrun's closing summary
+    does, once per node, last. The command it suggests starts as the lesson's documented one. (The lesson's
+    __main__ runs here, in this process, as in tests/test_bad_input.py.)"""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    script = EXAMPLES / f"{lesson}.py"
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "LOCAL_WORLD_SIZE": "2"}
+    env.update(LOCAL_RANK=local_rank, RANK=local_rank, TORCHELASTIC_ERROR_FILE=str(error_file))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [str(script), "1", "1"])
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr()
+    assert out.out + out.err == "", out
+    if local_rank != "0":  # torchrun reads the error files of failed processes only
+        assert exited.value.code == 0
+        return
+    assert exited.value.code == 2
+    message = json.loads(error_file.read_text())["message"]["message"]
+    documented = ast.get_docstring(ast.parse(script.read_text())).splitlines()[2].split()[:2]
+    assert message == f"error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
+    # torchrun's own reader of error files: what its closing summary prints for this failure
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert f"traceback : {message}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
 
 
 def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path):
@@ -238,8 +286,17 @@ def test_torchrun_names_the_endpoint_it_could_not_meet_at(tmp_path, where, messa
     endpoint = f"{where}:{free_port()}"
     proc, seconds = launch(endpoint, tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert message.format(endpoint) in proc.stdout, proc.stdout[-3000:]
-    assert "Usual causes" in proc.stdout and f"--endpoint {endpoint}" in proc.stdout
+    # said once, last, without torchrun's traceback, ending with the check to run on every node
+    out = proc.stdout.rstrip()
+    assert out.count(message.format(endpoint)) == 1 and "Traceback" not in out, out[-3000:]
+    assert "Usual causes" in out and out.endswith(f"python tools/doctor.py --endpoint {endpoint}"), out[
+        -3000:
+    ]
+    if where == "localhost":  # and how to start the node that never came
+        start = (
+            f"with the same rendezvous: torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint={endpoint} "
+        )
+        assert start in out, out[-3000:]
     # read_timeout is tried about 1.5 times (test_torchrun_launchers_give_up_within_a_minute_by_default)
     assert seconds < 1.5 * 5 + START_MARGIN, f"took {seconds:.0f} s with 5 s timeouts"
     assert not list(tmp_path.iterdir())
@@ -254,7 +311,9 @@ def test_torchrun_names_a_port_held_by_another_program(tmp_path):
         proc, _ = launch(endpoint, tmp_path, conf="join_timeout=600,read_timeout=600")
     assert proc.returncode == 1, proc.stdout[-3000:]
     port = endpoint.split(":")[1]
-    assert f"port {port} on 127.0.0.1 is already in use by a program that is not" in proc.stdout, proc.stdout
+    out = proc.stdout.rstrip()  # said once, last, with the option that fixes it
+    assert out.count(f"port {port} on 127.0.0.1 is already in use by a program that is not") == 1, out
+    assert out.endswith("the same on every node: --rdzv-endpoint=127.0.0.1:ANOTHER_PORT"), out
     assert not list(tmp_path.iterdir())
 
 

@@ -93,8 +93,8 @@ def check_port(endpoint, seconds=10):
     if store_answers(host, port, seconds) is False:
         sys.exit(
             f"error: port {port} on {host} is already in use by a program that is not a torch rendezvous "
-            f"store (no answer within {seconds} s). Stop that program or choose another port in "
-            "--rdzv-endpoint."
+            f"store (no answer within {seconds} s). Stop that program or choose another port, the same on "
+            f"every node: --rdzv-endpoint={host}:ANOTHER_PORT"
         )
 
 
@@ -116,7 +116,9 @@ def explain(args, exc):
             f"join_timeout ({conf.get('join_timeout', JOIN_TIMEOUT)} s).\n"
             "Usual causes: a node was not started, was started with another --rdzv-endpoint or --rdzv-id, "
             "or failed before joining (see its log); after a failure, a node that did not come back in "
-            "time.\n" + check
+            "time.\nStart every node, within join_timeout of the first, with the same rendezvous: torchrun "
+            f"--nnodes={args.nnodes} --rdzv-backend=c10d --rdzv-endpoint={where} --rdzv-id={args.rdzv_id} "
+            "...\n" + check
         )
     if isinstance(exc, RendezvousClosedError):
         return (
