@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, VENV, kill_group, popen, run
+from conftest import GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, VENV, kill_group, popen, run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,3 +145,45 @@ def test_a_folder_without_dumps_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2 and not proc.stdout, proc
     no_dumps = f"no dumps in {tmp_path / 'hang'} (rank*.stack.txt, fr_rank*): did a collective time out?"
     assert proc.stderr.strip() == f"why_hung.py: error: {no_dumps}", proc.stderr
+
+
+# NCCL (written for GPUs, not yet run on one): rank 0 works alone as in rank0_alone.py; rank 1's collective
+# times out in NCCL's watchdog, which dumps, tells rank 0's to dump through the store, and aborts rank 1.
+NCCL_ALONE = """
+    import os, sys, time
+    from datetime import timedelta
+
+    sys.path.insert(0, {gpt!r})
+    import hang
+    import torch
+    import torch.distributed as dist
+
+    folder, rank = sys.argv[1], int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    hang.record(folder)
+    dist.init_process_group("nccl", timeout=timedelta(seconds=10), device_id=torch.device("cuda", rank))
+    hang.arm(folder, rank, 2)
+    x = torch.ones(1, device="cuda")
+    dist.all_reduce(x)  # both ranks finish this one
+    torch.cuda.synchronize()
+    if rank == 0:
+        time.sleep(60)  # works alone
+    dist.all_reduce(x)  # rank 1 waits here
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
+def test_nccl_dumps_on_timeout_are_read_by_the_same_report(tmp_path):
+    script = tmp_path / "nccl_alone.py"
+    script.write_text(textwrap.dedent(NCCL_ALONE.format(gpt=str(REPO / "examples" / "gpt"))))
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", script, tmp_path / "run"]
+    proc = run(cmd, timeout=150, check=False, cwd=tmp_path, env=GPU_ENV)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    hang = tmp_path / "run" / "hang"
+    assert (hang / "fr_rank0").exists() and (hang / "fr_rank1").exists(), proc.stdout[-3000:]  # NCCL's own
+    code, report = why_hung(tmp_path / "run")
+    assert code == 0, report
+    sleep = line_of(script, "time.sleep(60)")
+    assert f"rank 0 is outside any collective, at {script}:{sleep}" in report[-1], report
+    assert "rank 1 waits in all_reduce #" in report[-1], report

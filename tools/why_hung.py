@@ -144,6 +144,12 @@ def load(files):
             for config in data.get("pg_config", {}).values():
                 if config.get("desc") == "default_pg":
                     world = max(world, len(json.loads(config["ranks"])))
+    for proc in procs.values():  # NCCL: collectives run on the GPU, Python waits elsewhere (a synchronize)
+        pending = [c for c in proc.newest.values() if c[1].endswith(("(scheduled)", "(started)"))]
+        if pending and not proc.op:
+            seq, op, proc.where = pending[0]
+            proc.op = op.split(" ")[0]
+            proc.doing += f"; its {proc.op} #{seq} at {proc.where} has not completed"
     return procs, world
 
 
@@ -212,7 +218,9 @@ def report(folder):
         raise FileNotFoundError(f"no dumps in {hang} (rank*.stack.txt, fr_rank*): did a collective time out?")
     world = max(world, max(procs) + 1)
     missing = sorted(set(range(world)) - set(procs))
-    lines = [f"why-hung {hang}: {world} processes; dumps from {plural('rank', sorted(procs))}"]
+    lines = [
+        f"why-hung {hang}: {world} process{'es' * (world > 1)}; dumps from {plural('rank', sorted(procs))}"
+    ]
     for rank, proc in sorted(procs.items()):
         host = f"{proc.header['host']}, pid {proc.header['pid']}" if "host" in proc.header else "?"
         seq, op, line = proc.newest.get("default_pg") or next(iter(proc.newest.values()), (None, "", ""))
