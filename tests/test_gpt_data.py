@@ -3,6 +3,7 @@ half written), nanoGPT's .bin files read as they are, memory-mapped shards whose
 memory unchanged, the tokenizer's digest in snapshots, GPT-2 small's shape, and bad input. BPE tokenizers
 are trained on a few hundred kilobytes of this repository's Python; runs use the tiny model."""
 
+import io
 import json
 import re
 import shutil
@@ -78,25 +79,95 @@ def test_prepare_again_on_the_same_input_does_nothing_and_new_input_is_prepared(
     assert tree(out)["train.bin"][0] != before["train.bin"][0]
 
 
-def test_a_prepare_stopped_midway_leaves_the_previous_output_and_no_half_shard(tmp_path, texts, monkeypatch):
-    prepare_mod = import_gpt_module("prepare")
-    out = tmp_path / "out"
+def test_a_prepare_stopped_midway_leaves_no_half_shard_and_a_folder_refused_until_prepared_again(
+    tmp_path, texts, monkeypatch
+):
+    prepare_mod, data = import_gpt_module("prepare"), import_gpt_module("data")
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
     prepare_mod.prepare([str(texts)], out, "char", log=lambda text: None)
     before = tree(out)
-    written = []
+    atomic_write, written = prepare_mod.atomic_write, []
 
-    def dying_write(path, content):  # the second shard's write dies half way
+    def dying_write(path, write):  # the second shard's write dies half way
         written.append(path.name)
-        with open(path, "wb") as f:
-            f.write(content[: len(content) // 2 if len(written) == 2 else None])
-        if len(written) == 2:
+        if path.name != "val.bin":
+            return atomic_write(path, write)
+
+        def half(f):
+            whole = io.BytesIO()
+            write(whole)
+            f.write(whole.getvalue()[: len(whole.getvalue()) // 2])
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_mod.Path, "write_bytes", dying_write)
+        return atomic_write(path, half)
+
+    monkeypatch.setattr(prepare_mod, "atomic_write", dying_write)
+    sources = [str(texts), str(REPO / "Makefile")]
     with pytest.raises(KeyboardInterrupt):
-        prepare_mod.prepare([str(texts), str(REPO / "Makefile")], out, "char", log=lambda text: None)
-    assert written == ["train.bin", "val.bin"]
-    assert tree(out) == before
+        prepare_mod.prepare(sources, out, "char", log=lambda text: None)
+    assert written[-2:] == ["train.bin", "val.bin"]
+    # neither read as prepared nor as nanoGPT's shards (train.bin, no manifest): refused in one line
+    message = f"--data {out}: prepare.py stopped before it finished this folder: run it again"
+    with pytest.raises(data.DataError, match=re.escape(message)):
+        data.load_corpus(str(out), tmp_path / "cache", 60)
+    proc = run([PYTHON, TRAIN, "--data", out, *SHORT], timeout=300, check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1] == f"train.py: error: {message}"
+    assert not (tmp_path / "gpt_snapshot").exists()
+    # every file whole: the old val.bin, the new train.bin; nothing left beside them
+    monkeypatch.setattr(prepare_mod, "atomic_write", atomic_write)
+    prepare_mod.prepare(sources, fresh, "char", log=lambda text: None)
+    after, new = tree(out), tree(fresh)
+    assert sorted(after) == sorted(before)
+    assert after["val.bin"] == before["val.bin"] and after["train.bin"][0] == new["train.bin"][0]
+    # prepare.py again finishes it
+    prepare_mod.prepare(sources, out, "char", log=lambda text: None)
+    assert {name: content for name, (content, _) in tree(out).items()} == {
+        name: content for name, (content, _) in new.items()
+    }
+
+
+def test_a_cache_folder_without_its_complete_manifest_is_prepared_again(tmp_path):
+    data = import_gpt_module("data")
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    corpus = data.load_corpus(str(text), tmp_path / "cache", 60, "char")
+    tokens = corpus.train.long().tolist()
+    (out,) = (p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    for manifest in (None, {"format": 1, "incomplete": "prepare.py stopped before it finished this folder"}):
+        # as a prepare killed while writing could leave it: shards, a wrong train.bin, no complete manifest
+        (out / "manifest.json").unlink()
+        if manifest:
+            (out / "manifest.json").write_text(json.dumps(manifest))
+        (out / "train.bin").write_bytes(bytes(len(tokens) * 2))
+        corpus = data.load_corpus(str(text), tmp_path / "cache", 60, "char")
+        assert corpus.train.long().tolist() == tokens
+        assert "input" in json.loads((out / "manifest.json").read_text())
+
+
+def test_a_vocabulary_past_uint16_goes_to_uint32_shards_that_read_decode_and_train(tmp_path, cache):
+    # 70,000 distinct characters (no surrogates), shuffled, twice: a character tokenizer with ids past 65535
+    codes = [c for c in range(0x20, 0x20 + 72_048) if not 0xD800 <= c < 0xE000][:70_000]
+    order = np.random.default_rng(2).permutation(2 * len(codes))
+    text = "".join(chr(codes[i % len(codes)]) for i in order)
+    (tmp_path / "wide.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "wide"
+    proc = prepare(tmp_path / "wide.txt", "--out", out, "--tokenizer", "char")
+    assert f"wrote {out}: char tokenizer of 70000 tokens" in proc.stdout and "uint32 shards" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint32" and manifest["shards"]["train"]["bytes"] == 4 * 126_000
+    assert np.fromfile(out / "train.bin", dtype=np.uint32).max() > 65535
+    data = import_gpt_module("data")
+    corpus = data.open_shards(out)
+    assert corpus.train.dtype == torch.uint32 and corpus.vocab_size == 70_000
+    assert corpus.decode(corpus.train.tolist() + corpus.val.tolist()) == text
+    offsets = torch.tensor([0, 1000, 125_000 - 65])  # windows read through the memory map
+    x, y = data.gather(corpus.train, offsets, 64)
+    for row, start in enumerate(offsets.tolist()):
+        assert corpus.decode(x[row].tolist()) == text[start : start + 64]
+        assert corpus.decode(y[row].tolist()) == text[start + 1 : start + 65]
+    proc = train(tmp_path, cache, "--data", out, *SHORT[:-2], "--sample_chars", 20)
+    assert "vocabulary 70000, char tokenizer, 126000 training tokens" in proc.stdout, proc.stdout[-2000:]
+    assert len(proc.stdout.split("sample:\n", 1)[1].rstrip("\n")) == 20  # ids decoded back to characters
 
 
 # ---- nanoGPT's files -------------------------------------------------------------------------------------
@@ -112,6 +183,8 @@ def test_nanogpt_bin_files_are_read_as_they_are(tmp_path, cache):
     corpus = data.open_shards(folder, 65)
     assert corpus.train.long().tolist() == ids["train"].tolist()
     assert corpus.val.long().tolist() == ids["val"].tolist()
+    with pytest.raises(data.DataError, match=r"nanoGPT's \.bin files hold uint16 ids, below 65536"):
+        data.open_shards(folder, 65537)
     proc = train(tmp_path, cache, "--data", folder, "--vocab_size", 65, *SHORT)
     assert "vocabulary 65, no tokenizer, 5000 training tokens" in proc.stdout, proc.stdout[-2000:]
     assert files_in(folder) == ["train.bin", "val.bin"]  # nothing written beside them
@@ -218,7 +291,7 @@ def test_prepare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, case
     assert "Traceback" not in proc.stdout and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["other_tokenizer", "manifest_mismatch"])
+@pytest.mark.parametrize("case", ["other_tokenizer", "manifest_mismatch", "vocab_too_large"])
 def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case):
     folder = tmp_path / "shards"
     shutil.copytree(bpe, folder)
@@ -228,6 +301,13 @@ def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case
         message = (
             f"--data {folder}: the shards are from another tokenizer: the manifest names "
             f"{manifest['tokenizer']['sha256']}, tokenizer.json is "
+        )
+    elif case == "vocab_too_large":  # uint16 ids stop at 65535
+        manifest["tokenizer"]["vocab_size"] = 65537
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        message = (
+            f"--data {folder}: manifest.json says a vocabulary of 65537 tokens in uint16 shards, whose ids "
+            "stop at 65535"
         )
     else:
         with open(folder / "val.bin", "r+b") as f:

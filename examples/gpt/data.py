@@ -137,11 +137,16 @@ def open_shards(folder, vocab_size=None):
     folder = Path(folder)
     try:
         manifest = json.loads((folder / prepare.MANIFEST).read_text())
+        if "incomplete" in manifest:  # prepare.py was stopped while it wrote the folder
+            raise DataError(f"--data {folder}: {manifest['incomplete']}: run it again")
         spec = manifest["tokenizer"]
+        vocab = spec["vocab_size"]
         dtype = prepare.DTYPES[manifest["dtype"]]
         shards = [manifest["shards"][name] for name in prepare.SHARDS]
     except FileNotFoundError:
         manifest = None
+    except DataError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"--data {folder}: its {prepare.MANIFEST} cannot be read: {exc}") from None
     if manifest is None:  # nanoGPT's layout: no manifest, uint16 ids
@@ -159,8 +164,16 @@ def open_shards(folder, vocab_size=None):
             except tok.TokenizerError as exc:
                 raise DataError(f"--data {folder}: {exc}") from None
         size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
+        if size > 2**16:
+            raise DataError(f"--data {folder}: nanoGPT's .bin files hold uint16 ids, below 65536: a "
+                            f"vocabulary of {size} tokens does not fit them")  # fmt: skip
         manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
         return Corpus(folder, manifest, tokenizer, digest)
+    if not isinstance(vocab, int) or not 0 < vocab <= 2 ** (8 * dtype.itemsize):  # uint16: ids below 65536
+        raise DataError(
+            f"--data {folder}: {prepare.MANIFEST} says a vocabulary of {vocab} tokens in "
+            f"{manifest['dtype']} shards, whose ids stop at {2 ** (8 * dtype.itemsize) - 1}"
+        )
     for shard in shards:
         path = folder / shard["file"]
         size = path.stat().st_size if path.is_file() else None

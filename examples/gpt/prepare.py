@@ -7,15 +7,15 @@
 OUT then holds tokenizer.json, train.bin and val.bin (the ids, uint16 where the vocabulary fits, else uint32;
 no header, as nanoGPT writes them) and manifest.json (the tokenizer's digest, the token counts, the dtype, the
 shard sizes, and a fingerprint of the input). Running it again on the same input and options does nothing.
-Every file is written next to its final name and renamed into place, the manifest last: a run stopped at any
-point leaves either the previous complete output or no manifest, never a half shard under a shard's name.
+Every file is written next to its final name and renamed into place (checkpoint.atomic_write): a manifest that
+says the folder is incomplete first, the complete manifest last. A run stopped before it writes leaves the
+previous output; stopped later, a folder that train.py refuses in one line and prepare.py, run again, redoes;
+never a half shard under a shard's name, nor shards without a manifest (which would read as nanoGPT's).
 """
 
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,11 +23,13 @@ from pathlib import Path
 import data
 import tokenizer as tok
 import torch
+from checkpoint import atomic_write, fsync_dir
 
 FORMAT = 1
 VAL_FRACTION = 0.1  # the last tenth of the tokens is held out for validation
 DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 MANIFEST, TOKENIZER, SHARDS = "manifest.json", "tokenizer.json", ("train", "val")
+INCOMPLETE = {"format": FORMAT, "incomplete": "prepare.py stopped before it finished this folder"}
 
 
 class PrepareError(ValueError):
@@ -152,21 +154,17 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print)
         "unigram_entropy": unigram_entropy(parts["train"], tokenizer.vocab_size),
     }
     out.mkdir(parents=True, exist_ok=True)
-    staging = Path(out) / f".prepare-{os.getpid()}"
-    staging.mkdir()
-    try:
-        (staging / TOKENIZER).write_text(spec, encoding="utf-8")
-        for name, part in parts.items():
-            (staging / f"{name}.bin").write_bytes(part.to(DTYPES[dtype]).numpy().tobytes())
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for path in staging.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        (out / MANIFEST).unlink(missing_ok=True)  # from here on until the end, no manifest: not prepared
-        for name in (TOKENIZER, *(f"{name}.bin" for name in SHARDS), MANIFEST):
-            os.replace(staging / name, out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # The manifest first says the folder is being written, so that it is never read as nanoGPT's shards
+    # (train.bin, no manifest) nor as prepared before the last file is in place; each file is written
+    # beside its name and renamed over it (atomic_write), the complete manifest last.
+    atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
+    atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
+    for name, part in parts.items():
+        atomic_write(
+            out / f"{name}.bin", lambda f, part=part: f.write(part.to(DTYPES[dtype]).numpy().tobytes())
+        )
+    atomic_write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+    fsync_dir(out)
     counts = ", ".join(f"{name} {s['tokens']}" for name, s in manifest["shards"].items())
     digest = manifest["tokenizer"]["sha256"]
     log(
