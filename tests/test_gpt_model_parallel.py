@@ -3,11 +3,13 @@ pipeline parallel (--pp, GPipe and 1F1B) and their compositions with FSDP (--dp_
 (--dp_replicate) end where one process with the same global batch ends, resume each other's snapshots, and
 refuse sizes that do not split before any process group forms. About 3 minutes on 2 cores (185 s measured)."""
 
+import io
 import re
 import shutil
 
 import pytest
 import test_gpt_sharding as sharding
+import torch
 from conftest import TORCHRUN, run
 from test_gpt import (  # noqa: F401  (cache: a fixture)
     TRAIN,
@@ -260,3 +262,102 @@ def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(t
         assert proc.returncode == 1, proc.stdout[-3000:]
         assert "error: the loss became nan at step 3, before its update" in proc.stdout, proc.stdout[-3000:]
         assert "nothing was saved" in proc.stdout and not (tmp_path / "gpt_snapshot").exists()
+
+
+# train.py under DDP, with an infinity in one gradient of rank 1 alone after step 3's all-reduce (its own
+# overflow): the loss stays finite, only rank 1's gradient norm is not. FP16=1: fp16's loss scaler is on
+# (on a CPU too), from a scale of 1024, doubling after 3 clean steps. Each process writes, after every
+# update, the step, the scale and whether its weights moved, into steps{rank}.txt.
+ONE_SIDED_INF_GRADIENT = """
+import os, runpy, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import guards, parallel, torch, trainer, torch.distributed as dist
+if os.environ.get("FP16") == "1":
+    class Scaler(guards.LossScaler):
+        def __init__(self, enabled, **kwargs):
+            super().__init__(True, scale=1024.0, interval=3)
+    guards.LossScaler = Scaler
+clip, calls = parallel.clip_grad_norm_, []
+def overflowed(par, max_norm):
+    calls.append(1)
+    if dist.get_rank() == 1 and len(calls) == 3:
+        grad = next(p.grad for p in par.module.parameters() if p.grad is not None)
+        parallel.local(grad).view(-1)[0] = float("inf")
+    return clip(par, max_norm)
+parallel.clip_grad_norm_ = overflowed
+update = trainer.Trainer.update
+def reported(self, *args):
+    before = [p.detach().clone() for p in self.raw.parameters()]
+    update(self, *args)
+    moved = any(not a.equal(b) for a, b in zip(before, self.raw.parameters()))
+    with open(f"steps{self.rank}.txt", "a") as f:
+        f.write(f"{self.step} {self.scaler.value} {moved}\\n")
+trainer.Trainer.update = reported
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def per_rank(folder):
+    """{rank: [(step, scale, moved), ...]} from the wrapper's files."""
+    found = {}
+    for rank in (0, 1):
+        lines = (folder / f"steps{rank}.txt").read_text().split("\n")[:-1]
+        found[rank] = [(int(a), float(b), c == "True") for a, b, c in (line.split() for line in lines)]
+    return found
+
+
+def test_fp16_overflow_on_one_process_skips_the_step_and_halves_the_scale_on_every_process(tmp_path, cache):  # noqa: F811
+    wrapper = sharding.script_file(tmp_path, ONE_SIDED_INF_GRADIENT)
+    args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 7, "--log_every", 1, "--sample_chars", 0]
+    proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
+    steps = per_rank(tmp_path)
+    # step 3 skipped, the scale halved; 3 clean steps later (4, 5, 6) it doubles back
+    expected = [(1, 1024.0, True), (2, 1024.0, True), (3, 512.0, False), (4, 512.0, True)]
+    expected += [(5, 512.0, True), (6, 1024.0, True), (7, 1024.0, True)]
+    assert steps == {0: expected, 1: expected}, proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "skipped (" not in proc.stdout  # fp16's skip is not one of --skip_nonfinite's
+    assert REPLICAS_RE.search(proc.stdout).group(1) == "2", proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("skip", [1, 0])
+def test_an_infinite_gradient_on_one_process_is_skipped_or_stops_every_process(tmp_path, cache, skip):  # noqa: F811
+    wrapper = sharding.script_file(tmp_path, ONE_SIDED_INF_GRADIENT)
+    args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 5, "--log_every", 1, "--sample_chars", 0]
+    proc = sharding.train(
+        tmp_path, cache, *args, "--skip_nonfinite", skip, nproc=2, script=wrapper, check=False
+    )
+    moved = {rank: [m for _, _, m in steps] for rank, steps in per_rank(tmp_path).items()}
+    if skip:
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert re.search(r"^step 3: loss [0-9.]+, gradient norm inf: skipped \(1 of", proc.stdout, re.M)
+        assert moved == {0: [True, True, False, True, True], 1: [True, True, False, True, True]}
+        assert REPLICAS_RE.search(proc.stdout).group(1) == "2", proc.stdout[-3000:]
+    else:
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert "error: the gradient norm became inf at step 3, before its update" in proc.stdout
+        assert moved == {0: [True, True], 1: [True, True]}, proc.stdout[-3000:]
+        assert "nothing was saved" in proc.stdout and not (tmp_path / "gpt_snapshot").exists()
+
+
+def test_the_loss_scale_and_its_clean_steps_survive_a_snapshot():
+    guards = import_gpt_module("guards")
+    scaler = guards.LossScaler(True, scale=1024.0, interval=3)
+    for overflow in (True, False, False):
+        scaler.update(overflow)
+    buffer = io.BytesIO()
+    torch.save(scaler.state_dict(), buffer)  # as a snapshot holds it: plain numbers
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert state == {"scale": 512.0, "_growth_tracker": 2}
+    restored = guards.LossScaler(True, interval=3)
+    restored.load_state_dict(state)
+    assert (restored.value, restored.clean) == (512.0, 2)
+    restored.update(False)  # the third clean step in a row, counting those before the snapshot
+    assert (restored.value, restored.clean) == (1024.0, 0)
+    # torch's GradScaler's state (older snapshots) loads too; a disabled scaler saves and loads nothing
+    restored.load_state_dict(torch.amp.GradScaler("cpu", init_scale=256.0).state_dict())
+    assert restored.value == 256.0
+    off = guards.LossScaler(False)
+    off.load_state_dict(state)
+    assert off.state_dict() == {} and off.scale(torch.tensor(3.0)).item() == 3.0

@@ -14,16 +14,18 @@ class Diverged(Exception):
 
 
 def verdict(loss, norm, stop):
-    """(the mean loss over the processes, this process's gradient norm, whether every process's loss is
-    finite, whether every process's gradient norm is finite, whether any process was asked to stop). A NaN
-    or an infinity on one process reaches every process's sum."""
+    """(the mean loss over the processes, this process's gradient norm (or, where some process's is not
+    finite, their non-finite sum), whether every process's loss is finite, whether every process's
+    gradient norm is finite, whether any process was asked to stop). A NaN or an infinity on one process
+    reaches every process's sum."""
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's clip returns a DTensor
     values = torch.stack([loss.float(), norm.float(), loss.new_tensor(float(stop))])
     if dist.is_initialized():
         dist.all_reduce(values)
         values[0] /= dist.get_world_size()
-    norm = norm.item()
     loss, norms, stops = values.tolist()
+    # a norm non-finite on some process is the one every process reports (the sum is then inf or nan)
+    norm = norm.item() if math.isfinite(norms) else norms
     return loss, norm, math.isfinite(loss), math.isfinite(norms), stops > 0
 
 
