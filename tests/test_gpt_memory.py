@@ -124,6 +124,27 @@ def test_ac_equals_ac_none(tmp_path, cache, accum, one, name, args, nproc):
     assert_same_state(saved(tmp_path), saved(accum if nproc else one), 1e-6)
 
 
+# global batch 16 in each, as `one`: processes, the layout, the --ac mode (selective: the second of the 2
+# blocks recomputes); each mode on a replicated and on a sharded layout, one and two dimensions
+AC_LAYOUTS = {
+    "ddp": (2, ["--parallel", "ddp", "--batch_size", 8], "full"),
+    "tp": (2, ["--parallel", "tp", "--batch_size", 16], "selective"),
+    "hsdp": (4, ["--dp_replicate", 2, "--dp_shard", 2, "--batch_size", 4], "selective"),
+    "fsdp x tp": (4, ["--dp_shard", 2, "--tp", 2, "--batch_size", 8], "full"),
+}
+
+
+@pytest.mark.parametrize("layout", AC_LAYOUTS)
+def test_ac_equals_ac_none_and_one_process_on_each_layout(tmp_path, cache, one, layout):
+    nproc, args, mode = AC_LAYOUTS[layout]
+    for ac in ("none", mode):
+        (tmp_path / ac).mkdir()
+        train(tmp_path / ac, cache, *STEPS, *args, "--ac", ac, nproc=nproc)
+    none = saved(tmp_path / "none")
+    assert_same_state(none, saved(one), 1e-5)  # the layout itself, as the accumulation runs above
+    assert_same_state(saved(tmp_path / mode), none, 1e-6)
+
+
 def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):
     args = [*STEPS, "--parallel", "pp", "--batch_size", 16, "--pp_microbatches", 4, "--dropout", 0.1]
     (tmp_path / "none").mkdir()
