@@ -147,6 +147,30 @@ def test_gradient_accumulation_equals_the_larger_batch(accum, single, ddp2):
     assert_identical(accum["model"], saved(ddp2[0])["model"])
 
 
+def test_the_gradient_norm_of_step_1_is_the_plain_models_own(tmp_path, cache):
+    """The gradient's scale against a reference outside the trainer: a factor applied in every run (one
+    process included) passes every "equals one process" test, not this one. Step 1's norm as logged
+    (before clipping; 2 micro-batches of 8) is that of the plain model's mean loss on the step's 16
+    sequences, computed here with autograd from the same initial values."""
+    args = ["--max_steps", 1, "--batch_size", 8, "--grad_accum", 2, "--log_every", 1, "--sample_chars", 0]
+    train(tmp_path, cache, *args, "--metrics_path", "m.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    (logged,) = [r["grad_norm"] for r in records if "grad_norm" in r]
+    config, data, model_mod, parallel, snapshots = map(
+        import_gpt_module, ("config", "data", "model", "parallel", "snapshots")
+    )
+    _, a = config.parse_args([str(arg) for arg in [*TINY, "--batch_size", 16, "--cache_dir", cache]])
+    corpus = data.load_corpus(a.data, a.cache_dir, a.timeout, a.tokenizer, a.vocab_size)
+    with torch.device("meta"):
+        model = model_mod.GPT(snapshots.model_config(a, corpus.vocab_size))
+    parallel.materialise(model, torch.device("cpu"), a.seed)
+    offsets = data.step_offsets(a.seed, 0, 16, len(corpus.train), a.block_size)
+    model(*data.gather(corpus.train, offsets, a.block_size))[1].backward()
+    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
+    print(f"step 1's gradient norm: logged {logged:.6g}, the plain model's {norm:.6g}")
+    assert logged == pytest.approx(norm, rel=1e-4)
+
+
 def test_loss_falls_well_below_the_unigram_entropy_of_the_default_corpus(tmp_path, cache):
     proc = train(tmp_path, cache, "--max_steps", 100, "--eval_every", 50, "--batch_size", 16, "--lr", 5e-3)
     unigram = float(re.search(r"unigram entropy of the training text: ([0-9.]+)", proc.stdout).group(1))
