@@ -27,6 +27,7 @@ and each dumps its own), and arm() has faulthandler write the Python stacks to h
 the process aborts. Values already in the environment win.
 """
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -56,8 +57,9 @@ def hang_dir(folder):
 
 
 def record(folder, nccl=None):
-    """Before the process group forms (torch reads these when it does). nccl: the group will be NCCL's
-    (default: when CUDA is available, as the GPT trainer chooses)."""
+    """Before the process group forms (torch reads these when it does). torch 2.13 already keeps 2000
+    entries for gloo by default (TORCH_FR_BUFFER_SIZE=0 turns the recorder off); other versions may not.
+    nccl: the group will be NCCL's (default: when CUDA is available, as the GPT trainer chooses)."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", BUFFER)
     if torch.cuda.is_available() if nccl is None else nccl:  # not run on a GPU yet, see above
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -105,7 +107,12 @@ def arm(folder, rank, world, store=None, poll=POLL):
         threading.Thread(target=_watch, args=args, name="why-hung", daemon=True).start()
     # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of CPU, 7 s
     # on a loaded 2-core machine): done now, beside the watcher, so that a dump on a timeout is quick
-    threading.Thread(target=_flight_record, name="why-hung warm-up", daemon=True).start()
+    threading.Thread(target=_warm_up, name="why-hung warm-up", daemon=True).start()
+
+
+def _warm_up():
+    with contextlib.suppress(Exception):  # the group may be gone already: then nothing is needed
+        _flight_record()
 
 
 def _watch(store, folder, rank, world, poll, stop, nccl_dump, since):
