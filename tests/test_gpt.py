@@ -273,6 +273,11 @@ def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "error: process 0 waited more than --dist_timeout 5 s for the others" in proc.stdout, proc.stdout
     assert seconds < 120, seconds  # torch's own default would wait 30 minutes (gloo)
+    # every process dumped (process 1 from the watcher thread, asleep in its main one): the report says who
+    assert "every process wrote its stack to gpt_snapshot/hang: make why-hung RUN=gpt_snapshot" in proc.stdout
+    report = run([PYTHON, REPO / "tools" / "why_hung.py", tmp_path / "gpt_snapshot"], timeout=120).stdout
+    assert re.search(r"rank 1 .*stall\.py:\d+", report), report
+    assert re.search(r"rank 0 .*all_gather_object", report), report
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):

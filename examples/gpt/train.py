@@ -19,6 +19,7 @@ import sys
 import checkpoint
 import data
 import guards
+import hang
 import preempt
 import torch
 import torch.distributed as dist
@@ -46,7 +47,12 @@ def main():
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
     stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
-    rank, world, device = setup_processes(args.dist_timeout)
+    hang.record(args.snapshot_path)  # every collective in torch's flight recorder, read on a timeout
+    try:
+        rank, world, device = setup_processes(args.dist_timeout)
+    except RuntimeError as exc:  # the others never came to the rendezvous
+        timed_out(args, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), exc)
+    hang.arm(args.snapshot_path, rank, world)  # dumps when another process's collective times out
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
@@ -76,13 +82,23 @@ def main():
             sys.stdout.flush()
             os._exit(1)
         except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
-            if "timed out" not in str(exc).lower():
-                raise
-            detail = str(exc).strip().splitlines()[0]
-            sys.exit(f"error: process {rank} waited more than --dist_timeout {args.dist_timeout:g} s for the "
-                     f"others, which stalled or died ({detail})")  # fmt: skip
+            timed_out(args, rank, world, exc)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def timed_out(args, rank, world, exc):
+    """A wait past --dist_timeout: this process's stack and flight recorder, and every other live
+    process's, into SNAPSHOT_PATH/hang (hang.py), then a one-line error naming the report. Any other
+    error is raised."""
+    if "timed out" not in str(exc).lower():
+        raise exc
+    silent = hang.dump(args.snapshot_path, rank, world, exc)
+    detail = str(exc).strip().splitlines()[0]
+    dumped = f"all but processes {silent}" if silent else "every process"
+    sys.exit(f"error: process {rank} waited more than --dist_timeout {args.dist_timeout:g} s for the others, "
+             f"which stalled or died ({detail}); {dumped} wrote its stack to {args.snapshot_path}/hang: "
+             f"make why-hung RUN={args.snapshot_path} says which waits where")  # fmt: skip
 
 
 if __name__ == "__main__":
