@@ -253,7 +253,7 @@ test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-qu
 	$(PY) -m pytest $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
-test-quick: $(ENV) ## the lessons' tests and the README's commands only (about 17 min on 2 busy cores)
+test-quick: $(ENV) ## the lessons' tests and the README's commands only (5 min on 2 cores beside a CI run)
 	$(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
