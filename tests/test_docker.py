@@ -602,6 +602,37 @@ METRICS_CODE = "print(open('/snapshots/gpt-metrics/metrics.jsonl').read())"
 
 
 @SLOW
+def test_a_paused_node_is_named_by_the_hang_report(project):
+    """`docker compose pause node1` mid-run: node0's processes wait --dist_timeout, dump their stacks on the
+    shared volume, and the report, run as the compose file says, names node1's processes as silent."""
+    proj = project(VARIANTS["gpt-cpu"], GPT_STEPS=2000, GPT_SAVE_EVERY=1000, GPT_DIST_TIMEOUT=15)
+    proj("up", "-d")
+    deadline = time.monotonic() + 300
+    while not re.search(r"^step 10/", proj.logs("node0"), re.M):  # training, both nodes in it
+        assert time.monotonic() < deadline, proj.logs("node0")[-3000:]
+        time.sleep(1)
+    proj("pause", "node1")
+    try:
+        deadline = time.monotonic() + 180
+        while "make why-hung RUN=/snapshots/gpt" not in proj.logs("node0"):
+            assert time.monotonic() < deadline, proj.logs("node0")[-3000:]
+            time.sleep(1)
+        report = proj(*WHY_HUNG, timeout=120).stdout.splitlines()
+    finally:
+        proj("unpause", "node1", check=False)
+    dumped = [line for line in report if re.match(r"rank \d \(node\d, pid \d+\)", line)]
+    assert len(dumped) == 2 and all("(node0, pid" in line for line in dumped), report  # node0's 2 processes
+    silent = [line for line in report if re.match(r"rank \d: wrote nothing", line)]
+    assert len(silent) == 2, report  # node1's 2 processes, paused
+    assert "wrote nothing (stopped, dead or unreachable" in report[-1], report
+
+
+# the report, as compose/gpt.yaml says to run it
+WHY_HUNG = ["run", "--rm", "--no-deps", "--entrypoint", "python", "node0", "tools/why_hung.py"]
+WHY_HUNG += ["/snapshots/gpt"]
+
+
+@SLOW
 def test_a_missing_node_fails_the_run_in_bounded_time(project):
     """node1 never starts: node0 gives up after the rendezvous join timeout, and `up` exits non-zero."""
     proj = project(CPU, JOIN_TIMEOUT=20)
