@@ -1,7 +1,8 @@
 """The GPT trainer's layouts beyond plain data parallelism, on one device mesh: tensor parallel (--tp),
 pipeline parallel (--pp, GPipe and 1F1B) and their compositions with FSDP (--dp_shard) and replicas
 (--dp_replicate) end where one process with the same global batch ends, resume each other's snapshots, and
-refuse sizes that do not split before any process group forms. About 3 minutes on 2 cores (185 s measured)."""
+refuse sizes that do not split before any process group forms. About 4 minutes on 2 cores (250 s measured
+at load average 2 to 3)."""
 
 import io
 import re

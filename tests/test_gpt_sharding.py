@@ -1,7 +1,7 @@
 """Sharded data parallelism in the GPT trainer: --parallel zero and fsdp against ddp, sharded snapshots that
 resume on another number of processes, survive a crash mid-save, export to one file, and never run code
 from a file they load. Tiny model, global batch 24 (2 x 12, 3 x 4 x 2 micro-batches, 1 x 24): about
-1.5 minutes on 2 cores (91 s measured)."""
+1.5 minutes on 2 cores (97 s measured at load average 2 to 3)."""
 
 import io
 import pickle
