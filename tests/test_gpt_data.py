@@ -323,17 +323,3 @@ def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case
     assert proc.returncode == 2, proc.stdout[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(f"train.py: error: {message}"), proc.stdout
     assert not list((tmp_path / "run").iterdir())
-
-
-# ---- benchmark ---------------------------------------------------------------------------------------------
-def test_the_benchmark_compares_shards_with_the_corpus_in_memory(tmp_path, cache):
-    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", "--shards", "--rounds", 1, "--steps", 4, "--log_every", 2]
-    cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "shards.json", "--"]
-    cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
-    proc = run(cmd, timeout=900)
-    ratio = float(re.search(r"ratio shards/in_memory \(goal >= 0.98\) ([0-9.]+)", proc.stdout).group(1))
-    report = json.loads((tmp_path / "shards.json").read_text())
-    (memory,), (shards,) = report["tokens_per_s"]["in_memory"], report["tokens_per_s"]["shards"]
-    assert ratio == pytest.approx(shards / memory, abs=1e-3) and report["ratio"] == pytest.approx(
-        ratio, abs=1e-3
-    )
