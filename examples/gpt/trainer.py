@@ -4,6 +4,7 @@ is split over the processes is parallel.py's business: the trainer sees a Parall
 import math
 import os
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import data
@@ -196,7 +197,8 @@ class Trainer:
             self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
         meter = MemoryMeter(self.raw, self.optimizer, self.parallel)
         history = MemoryHistory(a.memory_snapshot and f"{a.memory_snapshot}.rank{self.rank}", self.device)
-        self.times = self.parallel.forward_timer = RankTimes(self.device)
+        # --slow_factor 0: nothing timed (on a GPU, events no gather would read)
+        self.times = self.parallel.forward_timer = RankTimes(self.device) if a.slow_factor else nullcontext()
         profiler = a.profile_steps and StepProfiler(a.profile_steps, a.profile_dir, self.rank, self.device)
         losses, steps, due, clock = [], 0, False, time.perf_counter()
         while self.step < a.max_steps:
