@@ -73,9 +73,7 @@ def main(args):
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     except (RuntimeError, TimeoutError) as exc:  # torchft's bounded waits: say what they waited for
-        sys.exit(
-            f"error: {exc!r}\nno quorum of {args.min_replicas} at {args.lighthouse} in {args.timeout:g} s"
-        )
+        sys.exit(f"error: {exc!r}\nno quorum of {args.min_replicas} at {args.lighthouse}: {args.timeout:g} s")
 
 
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.

@@ -1,0 +1,186 @@
+"""torchft on this machine: a lighthouse and replica groups, each a torchrun of examples/multigpu_torchft.py.
+
+    make torchft                                    # a lighthouse and two groups, in runs/torchft
+    make torchft FT_ARGS=--kill                     # group 1 SIGKILLed mid-run, started again: it heals
+    make torchft FT_ARGS="--kill --kill_joining"    # ... and killed again while it joins, then started again
+    make torchft FT_ARGS=--restart_lighthouse       # the lighthouse killed and started again mid-run
+
+Each group runs in its own folder (its own snapshot, as on its own node). The account at the end says, per
+group and start, the epochs it logged with the world size of each, and how it ended; --summary writes it
+as JSON. Exit status 0 when the last start of every group exited 0 and the groups' weights were identical.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+LESSON = REPO / "examples" / "multigpu_torchft.py"
+BIN = Path(sys.executable).parent
+EPOCH = re.compile(r"^epoch (\d+)/\d+ \| .* world_size (\d+)")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A command in its own process group, its output echoed with a prefix and kept."""
+
+    def __init__(self, name, command, cwd, env):
+        self.name, self.lines, self.started = name, [], time.monotonic()
+        self.proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            print(f"[{self.name}] {line}", end="", flush=True)
+
+    def epochs(self):
+        return [(int(m[1]), int(m[2])) for m in map(EPOCH.match, self.lines) if m]
+
+    def kill(self):
+        """SIGKILL torchrun and its worker together, as a lost node loses both."""
+        if self.proc.poll() is None:  # torchrun starts its worker in a session of its own: kill both
+            for process in [*psutil.Process(self.proc.pid).children(recursive=True), self.proc]:
+                process.send_signal(signal.SIGKILL)
+        return self.wait(10)
+
+    def wait(self, timeout):
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.thread.join(5)
+        return self.proc.returncode
+
+
+def wait_until(what, predicate, deadline):
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="runs/torchft", help="one folder per group under it")
+    parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
+    parser.add_argument("--epochs", type=int, default=30, help="epochs to train (default 30)")
+    parser.add_argument("--save_every", type=int, default=5, help="snapshot every this many epochs")
+    parser.add_argument("--dataset_size", type=int, default=8192, help="samples: 128 steps an epoch a group")
+    parser.add_argument("--kill", action="store_true", help="SIGKILL the last group after --kill_epoch")
+    parser.add_argument("--kill_epoch", type=int, default=5, help="the epoch after which to kill (default 5)")
+    parser.add_argument("--kill_joining", action="store_true", help="kill it again while it joins")
+    parser.add_argument("--restart_lighthouse", action="store_true", help="kill, restart the lighthouse")
+    parser.add_argument("--down", type=float, default=3, help="seconds a killed process stays down")
+    parser.add_argument("--timeout", type=float, default=30, help="the lesson's --timeout (default 30)")
+    parser.add_argument("--deadline", type=float, default=300, help="seconds for the whole run")
+    parser.add_argument("--summary", help="write the account as JSON to this file")
+    args = parser.parse_args()
+    if (
+        args.groups < 1
+        or args.epochs < 2
+        or (args.kill or args.restart_lighthouse) > (args.kill_epoch < args.epochs)
+    ):
+        parser.error("needs --groups >= 1, --epochs >= 2, and --kill_epoch below --epochs")
+    deadline = time.monotonic() + args.deadline
+    port = free_port()
+    env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
+    root = Path(args.dir).resolve()
+    shutil.rmtree(root, ignore_errors=True)
+    lighthouse_command = [
+        str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "1000",
+        "--bind", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+
+    def lighthouse():
+        return Process("lighthouse", lighthouse_command, REPO, env)
+
+    def group(n):
+        folder = root / f"group{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(BIN / "torchrun"), "--standalone", "--nproc-per-node=1", str(LESSON), str(args.epochs),
+            str(args.save_every), "--replica_group", str(n), "--replica_groups", str(args.groups),
+            "--dataset_size", str(args.dataset_size), "--timeout", str(args.timeout),
+            "--lighthouse", f"http://127.0.0.1:{port}",
+        ]  # fmt: skip
+        return Process(f"group{n}", command, folder, env)
+
+    starts = {n: [] for n in range(args.groups)}
+    house = lighthouse()
+    try:
+        for n in starts:
+            starts[n].append(group(n))
+        last = args.groups - 1
+        if args.kill or args.restart_lighthouse:
+            first = starts[last][0]
+            wait_until(f"epoch {args.kill_epoch}", lambda: len(first.epochs()) >= args.kill_epoch, deadline)
+        if args.kill:
+            starts[last][0].kill()
+            time.sleep(args.down)
+            if args.kill_joining:  # killed again before its first epoch: while it joins and takes the state
+                joining = group(last)
+                starts[last].append(joining)
+                wait_until("the group's start", lambda: joining.lines, deadline)
+                time.sleep(0.5)
+                joining.kill()
+                time.sleep(args.down)
+            starts[last].append(group(last))
+        if args.restart_lighthouse:
+            house.kill()
+            time.sleep(args.down)
+            house = lighthouse()
+            for n in starts:  # the groups stop at their quorum timeout; started again, they resume
+                starts[n][-1].wait(max(1, deadline - time.monotonic()))
+                starts[n].append(group(n))
+        for runs in starts.values():
+            runs[-1].wait(max(1, deadline - time.monotonic()))
+    finally:
+        for runs in starts.values():
+            for run in runs:
+                run.kill()
+        house.kill()
+    account = {
+        f"group{n}": [{"returncode": run.proc.returncode, "epochs": run.epochs()} for run in runs]
+        for n, runs in starts.items()
+    }
+    identical = [line for runs in starts.values() for line in runs[-1].lines if "weights identical" in line]
+    account["identical"] = identical
+    print("\naccount:")
+    for name, runs in account.items():
+        for i, run in enumerate(runs if name != "identical" else []):
+            sizes = sorted({size for _, size in run["epochs"]})
+            span = f"epochs {run['epochs'][0][0]}-{run['epochs'][-1][0]}" if run["epochs"] else "no epoch"
+            print(f"  {name} start {i + 1}: {span}, world sizes {sizes}, exit {run['returncode']}")
+    print(f"  {identical[-1] if identical else 'no weights check printed'}")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(account, indent=1))
+    ended = all(runs[-1].proc.returncode == 0 for runs in starts.values())
+    same = bool(identical) and identical[-1].startswith(
+        f"weights identical on {args.groups} of {args.groups}"
+    )
+    return 0 if ended and same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
