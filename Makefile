@@ -41,7 +41,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo pitfalls test test-quick lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo torchft pitfalls test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -126,6 +126,7 @@ diff: ## what each step adds to the previous one
 	@set -- $(STEPS); while [ $$# -gt 1 ]; do diff -u examples/$$1.py examples/$$2.py; shift; done; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_ray.py; \
+	diff -u examples/multigpu_torchrun.py examples/multigpu_torchft.py; \
 	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
 # ==== GPT: examples/gpt, a GPT trained with DDP (docs/gpt.md) =============================================
@@ -221,6 +222,9 @@ doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOIN
 
 fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
 	$(PY) tools/fault_demo.py --dir $(RUNS)/fault-demo
+
+torchft: $(ENV) ## step 3 with torchft: a lighthouse and two replica groups here; FT_ARGS=--kill kills one mid-run
+	$(PY) tools/torchft_demo.py --dir $(RUNS)/torchft $(FT_ARGS)
 
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
 	$(PY) tools/pitfalls.py
