@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,17 +23,12 @@ import time
 from pathlib import Path
 
 import psutil
+from steps import free_port  # tools/steps.py, run as a script from tools/
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "examples" / "multigpu_torchft.py"
 BIN = Path(sys.executable).parent
 EPOCH = re.compile(r"^epoch (\d+)/\d+ \| .* world_size (\d+)")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:
