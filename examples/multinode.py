@@ -194,7 +194,7 @@ if __name__ == "__main__":
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # what torchrun's closing summary shows
             message = "error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 ..."
             json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
-        sys.exit(2 if os.environ["LOCAL_RANK"] == "0" else 0)  # one process a node fails: said once, last
+        sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # others end, then one fails
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
     main(args)
