@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
-from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft import Manager, Optimizer, ProcessGroupGloo
 
 
 class Trainer:
@@ -23,18 +23,19 @@ class Trainer:
         self.device, self.model = device, model.to(device)
         self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
-        wait = dict.fromkeys(["connect_timeout", "quorum_timeout"], timedelta(seconds=args.timeout))
+        wait = {f"{kind}timeout": timedelta(seconds=args.timeout) for kind in ("", "connect_", "quorum_")}
         self.manager = Manager(ProcessGroupGloo(), None, None, args.min_replicas, **wait)  # the lighthouse's
         for key, state in [("MODEL_STATE", model), ("OPTIMIZER_STATE", optimizer)]:  # a peer's live state
             self.manager.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
         self.manager.load_state_dict({"step": self.epochs_run * len(train_data), "batches_committed": 0})
-        self.model = DistributedDataParallel(self.manager, model)  # averages over the groups of the step
         self.optimizer = Optimizer(self.manager, optimizer)  # steps only if every group commits the step
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
+        for p in self.model.parameters():  # the mean over the step's groups; a failure skips the step
+            self.manager.allreduce(p.grad).wait()  # (torchft's DDP wrapper: docs/fault-tolerance.md)
         self.manager.allreduce(loss := loss.detach()).wait()  # the mean over the step's groups, for the log
         self.optimizer.step()
         return loss.detach()
@@ -58,15 +59,14 @@ class Trainer:
                 n = self.manager.num_participants()  # log_epoch takes a sum over the processes
                 log_epoch(self.args, epoch + 1, loss * n, start, len(self.train_data.dataset), n)
                 if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+                    save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch + 1)
         if self.epochs_run < self.args.total_epochs:  # after nothing to train, nothing to report
-            check_replicas(self.manager, self.model.module)
+            check_replicas(self.manager, self.model)
 
 
 def main(args):
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    rank = f"[group {args.replica_group}/{args.replica_groups}]"
-    print(f"{rank} {device}, gloo\n", end="", flush=True)  # one write: the line stays whole
+    print(f"[group {args.replica_group}/{args.replica_groups}] {device}, gloo\n", end="", flush=True)  # whole
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, args.replica_groups, args.replica_group, seed=args.seed)
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)

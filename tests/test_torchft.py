@@ -36,6 +36,54 @@ def test_two_groups_train_as_one_and_end_identical(tmp_path):
         assert (tmp_path / "runs" / group / "multigpu_torchft_snapshot.pt").is_file()
 
 
+def demo(tmp_path, *args):
+    """tools/torchft_demo.py (make torchft) with args; its exit status and its account (--summary)."""
+    summary = tmp_path / "summary.json"
+    command = [sys.executable, str(REPO / "tools" / "torchft_demo.py"), "--dir", str(tmp_path / "runs")]
+    result = run([*command, *args, "--summary", str(summary)], timeout=300, check=False, env=ENV)
+    assert summary.is_file(), result.stdout[-3000:]
+    return result, json.loads(summary.read_text())
+
+
+def test_a_killed_group_heals_from_its_live_peer_which_never_stops(tmp_path):
+    """make torchft FT_ARGS="--kill --kill_joining": group 1 SIGKILLed after epoch 2, started again and
+    killed as group 0 serves it the state, then started again: group 0 trains every epoch once, alone while
+    group 1 is away, never restarted; group 1's last start reads no snapshot (none was written: the first
+    is at epoch 5), takes the live state, and both end at the last epoch with identical weights."""
+    result, account = demo(tmp_path, "--kill", "--kill_joining", "--kill_epoch", "2", "--epochs", "60")
+    assert result.returncode == 0, result.stdout[-3000:]
+    [survivor] = account["group0"]  # one start: no restart
+    assert survivor["returncode"] == 0 and survivor["resumed"] is None
+    assert [epoch for epoch, _ in survivor["epochs"]] == list(range(1, 61))  # each once, in order
+    assert 1 in {size for _, size in survivor["epochs"]}  # it went on alone
+    assert survivor["epochs"][-1] == [60, 2]
+    first, joining, healed = account["group1"]
+    assert (first["returncode"], joining["returncode"], healed["returncode"]) == (-9, -9, 0)
+    assert healed["resumed"] is None and healed["epochs"][0][0] > 4  # the live state, not epoch 1
+    assert healed["epochs"][-1] == [60, 2]
+    assert account["identical"] == ["weights identical on 2 of 2 groups"]
+    assert any("took the live state at step" in figure for figure in account["figures"])
+
+
+def test_a_restarted_lighthouse_stops_the_groups_which_resume_from_their_snapshots(tmp_path):
+    """make torchft FT_ARGS=--restart_lighthouse: the lighthouse killed after epoch 7 and started again;
+    torchft 0.2.0's groups do not find the new one: each stops at its quorum timeout naming the lighthouse,
+    and, started again, resumes from its epoch-5 snapshot (the one started later may then heal from the
+    other); both end at the last epoch, identical."""
+    args = ["--restart_lighthouse", "--kill_epoch", "7", "--epochs", "12", "--timeout", "5"]
+    result, account = demo(tmp_path, *args)
+    assert result.returncode == 0, result.stdout[-3000:]
+    firsts = []
+    for name in ("group0", "group1"):
+        stopped, resumed = account[name]
+        assert stopped["returncode"] != 0 and stopped["no_quorum"], stopped
+        assert resumed["returncode"] == 0 and resumed["resumed"] == 5, resumed  # its snapshot: 5 epochs
+        assert resumed["epochs"][-1] == [12, 2]
+        firsts.append(resumed["epochs"][0][0])
+    assert min(firsts) == 6  # epochs 6 and 7 trained again (the later group may heal from the first)
+    assert account["identical"] == ["weights identical on 2 of 2 groups"]
+
+
 def test_no_lighthouse_is_a_bounded_wait_that_names_the_address(tmp_path):
     address = f"http://127.0.0.1:{free_port()}"
     result = lesson(tmp_path, "2", "1", "--timeout", "3", "--lighthouse", address)

@@ -1,13 +1,16 @@
 """torchft on this machine: a lighthouse and replica groups, each a torchrun of examples/multigpu_torchft.py.
 
     make torchft                                    # a lighthouse and two groups, in runs/torchft
-    make torchft FT_ARGS=--kill                     # group 1 SIGKILLed mid-run, started again: it heals
-    make torchft FT_ARGS="--kill --kill_joining"    # ... and killed again while it joins, then started again
+    make torchft FT_ARGS=--kill                     # the last group SIGKILLed, started again: it heals
+    make torchft FT_ARGS="--kill --kill_joining"    # ... killed again as it takes the state, restarted
     make torchft FT_ARGS=--restart_lighthouse       # the lighthouse killed and started again mid-run
 
-Each group runs in its own folder (its own snapshot, as on its own node). The account at the end says, per
-group and start, the epochs it logged with the world size of each, and how it ended; --summary writes it
-as JSON. Exit status 0 when the last start of every group exited 0 and the groups' weights were identical.
+Each group runs in its own folder (its own snapshot, as on its own node). A killed group is started again
+once the others have trained --alone epochs without it. The account at the end says, per group and start,
+the epochs it logged with the world size of each and how it ended, then what the failure cost: the seconds
+from the kill to the survivors' next epoch, and the step and second a restarted group took the live state
+at; --summary writes it as JSON. Exit status 0 when the last start of every group exited 0 and the groups'
+weights were identical.
 """
 
 import argparse
@@ -29,13 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "examples" / "multigpu_torchft.py"
 BIN = Path(sys.executable).parent
 EPOCH = re.compile(r"^epoch (\d+)/\d+ \| .* world_size (\d+)")
+RESUMED = re.compile(r"^resuming from .*: (\d+) epochs already run")  # a snapshot read: its epochs
+HEAL = re.compile(r'"GET /checkpoint/(\d+)/full HTTP')  # a group serving its live state to a healing one
 
 
 class Process:
     """A command in its own process group, its output echoed with a prefix and kept."""
 
     def __init__(self, name, command, cwd, env):
-        self.name, self.lines, self.started = name, [], time.monotonic()
+        self.name, self.lines, self.times, self.started = name, [], [], time.monotonic()
         self.proc = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
@@ -45,11 +50,22 @@ class Process:
 
     def _pump(self):
         for line in self.proc.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
             print(f"[{self.name}] {line}", end="", flush=True)
 
-    def epochs(self):
-        return [(int(m[1]), int(m[2])) for m in map(EPOCH.match, self.lines) if m]
+    def logged(self, since=0.0):
+        """(time, epoch, world size) of each epoch logged after the time since."""
+        found = zip(self.times, map(EPOCH.match, self.lines), strict=False)
+        return [(t, int(m[1]), int(m[2])) for t, m in found if m and t > since]
+
+    def epochs(self, since=0.0):
+        return [(epoch, size) for _, epoch, size in self.logged(since)]
+
+    def first(self, pattern, since=0.0):
+        """(time, match) of the first line after since that pattern finds, or None."""
+        found = zip(self.times, map(pattern.search, self.lines), strict=False)
+        return next(((t, m) for t, m in found if m and t > since), None)
 
     def kill(self):
         """SIGKILL torchrun and its worker together, as a lost node loses both."""
@@ -83,9 +99,10 @@ def main():
     parser.add_argument("--dataset_size", type=int, default=8192, help="samples: 128 steps an epoch a group")
     parser.add_argument("--kill", action="store_true", help="SIGKILL the last group after --kill_epoch")
     parser.add_argument("--kill_epoch", type=int, default=5, help="the epoch after which to kill (default 5)")
-    parser.add_argument("--kill_joining", action="store_true", help="kill it again while it joins")
+    parser.add_argument("--kill_joining", action="store_true", help="kill it again as it takes the state")
+    parser.add_argument("--alone", type=int, default=2, help="epochs the others train before a restart")
     parser.add_argument("--restart_lighthouse", action="store_true", help="kill, restart the lighthouse")
-    parser.add_argument("--down", type=float, default=3, help="seconds a killed process stays down")
+    parser.add_argument("--down", type=float, default=3, help="seconds the lighthouse stays down")
     parser.add_argument("--timeout", type=float, default=30, help="the lesson's --timeout (default 30)")
     parser.add_argument("--deadline", type=float, default=300, help="seconds for the whole run")
     parser.add_argument("--summary", help="write the account as JSON to this file")
@@ -121,24 +138,34 @@ def main():
         return Process(f"group{n}", command, folder, env)
 
     starts = {n: [] for n in range(args.groups)}
+    figures = []  # what the failure cost, in words, for the account
     house = lighthouse()
     try:
         for n in starts:
             starts[n].append(group(n))
-        last = args.groups - 1
+        survivor, last = starts[0][0], args.groups - 1
+
+        def alone(since):  # the survivor has logged --alone epochs without the killed group
+            return lambda: sum(size < args.groups for _, size in survivor.epochs(since)) >= args.alone
+
         if args.kill or args.restart_lighthouse:
             first = starts[last][0]
             wait_until(f"epoch {args.kill_epoch}", lambda: len(first.epochs()) >= args.kill_epoch, deadline)
         if args.kill:
+            killed = time.monotonic()
             starts[last][0].kill()
-            time.sleep(args.down)
-            if args.kill_joining:  # killed again before its first epoch: while it joins and takes the state
+            wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
+            when, epoch, size = survivor.logged(killed)[0]
+            figures.append(
+                f"group0 logged epoch {epoch} at world size {size}, {when - killed:.1f} s after the kill"
+            )
+            if args.kill_joining:  # killed again as it takes the live state: when the survivor serves it
                 joining = group(last)
                 starts[last].append(joining)
-                wait_until("the group's start", lambda: joining.lines, deadline)
-                time.sleep(0.5)
+                wait_until("the state served", lambda: survivor.first(HEAL, joining.started), deadline)
+                killed = time.monotonic()
                 joining.kill()
-                time.sleep(args.down)
+                wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
             starts[last].append(group(last))
         if args.restart_lighthouse:
             house.kill()
@@ -154,19 +181,34 @@ def main():
             for run in runs:
                 run.kill()
         house.kill()
+    if args.kill and (healed := survivor.first(HEAL, starts[last][-1].started)):
+        step, seconds = int(healed[1][1]), healed[0] - starts[last][-1].started
+        figures.append(
+            f"group{last} took the live state at step {step}, {seconds:.1f} s after its last start"
+        )
     account = {
-        f"group{n}": [{"returncode": run.proc.returncode, "epochs": run.epochs()} for run in runs]
+        f"group{n}": [
+            {
+                "returncode": run.proc.returncode,
+                "epochs": run.epochs(),
+                "resumed": next(map(int, (m[1] for m in map(RESUMED.match, run.lines) if m)), None),
+                "no_quorum": any(line.startswith("no quorum of") for line in run.lines),
+            }
+            for run in runs
+        ]
         for n, runs in starts.items()
     }
     identical = [line for runs in starts.values() for line in runs[-1].lines if "weights identical" in line]
-    account["identical"] = identical
     print("\naccount:")
     for name, runs in account.items():
-        for i, run in enumerate(runs if name != "identical" else []):
+        for i, run in enumerate(runs):
             sizes = sorted({size for _, size in run["epochs"]})
             span = f"epochs {run['epochs'][0][0]}-{run['epochs'][-1][0]}" if run["epochs"] else "no epoch"
             print(f"  {name} start {i + 1}: {span}, world sizes {sizes}, exit {run['returncode']}")
     print(f"  {identical[-1] if identical else 'no weights check printed'}")
+    for figure in figures:
+        print(f"  {figure}")
+    account.update(identical=identical, figures=figures)
     if args.summary:
         Path(args.summary).write_text(json.dumps(account, indent=1))
     ended = all(runs[-1].proc.returncode == 0 for runs in starts.values())
