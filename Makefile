@@ -168,7 +168,7 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 
 # ---- Docker and two nodes (variables above) ----
 .PHONY: image image-ray image-current base-image two-node two-node-cpu two-node-accelerate two-node-down
-.PHONY: two-node-failover
+.PHONY: two-node-failover two-node-torchft
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
 	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
@@ -216,6 +216,11 @@ two-node-down: ## remove the two-node containers, network and snapshot volume (=
 FAILOVER_ARGS ?=
 two-node-failover: image-current ## two nodes, elastic: node1 killed after a snapshot and started again; an account
 	$(PYTHON3) tools/two_node_failover.py --image $(IMAGE) $(FAILOVER_ARGS)
+
+# TORCHFT_ARGS: options of tools/two_node_torchft.py, e.g. --kill_epoch 10 --epochs 60 --port 29511
+TORCHFT_ARGS ?=
+two-node-torchft: image-current ## torchft replica groups in two containers: node1 killed, started again, healed live
+	$(PYTHON3) tools/two_node_torchft.py --image $(IMAGE) $(TORCHFT_ARGS)
 
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))

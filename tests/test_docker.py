@@ -15,7 +15,9 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -691,6 +693,88 @@ def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project,
     assert re.fullmatch(r"\s+" + ACCOUNT_RE["same"], account[-1]), account[-1]
     # the run's own lines came before the account, and both projects are gone
     assert "resuming from /snapshots/multinode.pt" in out.split("two-node failover, in short:")[0]
+    left = run(
+        ["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={job.name}"], timeout=60
+    )
+    assert not left.stdout.strip(), left.stdout
+
+
+TORCHFT_ACCOUNT_RE = [  # the account `make two-node-torchft` ends with, line by line
+    r"the lighthouse's status page, http://localhost:(\d+)/status, showed node0 and node1 in quorum \d+",
+    r"node0's world size by epoch: (?:.*, )?2 \((?:epochs )?(?:\d+-)?(\d+)\), "  # up to node1's kill
+    r"1 \((\d+)-(\d+)\), 2 \((\d+)-40\)",
+    r"node0 logged epoch (\d+) ([\d.]+) s after node1's kill",
+    r"node1 took node0's live state at step (\d+) \(epoch (\d+)\) ([\d.]+) s after its start",
+    r"node1's first epoch after its start: (\d+) \(killed after (\d+)\)",
+    r"node0 and node1 ended at epochs 40 and 40 of 40; node[01]: weights identical on 2 of 2 groups",
+    r"exit codes: lighthouse 0, node0 0, node1 0",
+]
+
+
+def served(text, prefix):
+    """The lines a service printed, from the output of `docker compose logs` (prefix: node0-1 and so on)."""
+    return [line.split("| ", 1)[1] for line in text.splitlines() if re.match(rf"{prefix}\s+\| ", line)]
+
+
+@SLOW
+def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
+    """`make two-node-torchft` (compose/torchft.yaml): a lighthouse, and replica groups 0 and 1 in node0 and
+    node1. node1 is killed mid-run: node0 trains on alone, never restarts, resumes or goes back; node1 started
+    again takes node0's live state and goes on from a later epoch than the one it was killed in; both end at
+    the last epoch with identical weights, every container exits 0 (the lighthouse stops by itself), and the
+    lighthouse's status page answers on the port published on the host while the groups train."""
+    job, port = project(("compose/torchft.yaml",)), free_port()  # a name of this run, removed after
+    make = ["make", "--no-print-directory", "-C", REPO, "two-node-torchft", f"IMAGE={image}"]
+    make += [f"BASE_IMAGE={BASE_IMAGE}", f"TORCHFT_ARGS=--project {job.name} --port {port}"]
+    pages, done = [], threading.Event()
+
+    def watch():  # the status page, as a user's browser on this host asks for it
+        while not done.wait(1):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as page:
+                    pages.append(page.read().decode())
+            except OSError:
+                pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        proc = run(make, timeout=1500, check=False)
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    print(f"make two-node-torchft: {time.monotonic() - start:.0f} s")
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:]
+    assert any("Manager: http://node0:" in page and "Manager: http://node1:" in page for page in pages), pages
+    logs, account = out.split("two-node torchft, in short:\n", 1)
+    lines = account.splitlines()
+    assert len(lines) == len(TORCHFT_ACCOUNT_RE), account  # no NOT: line naming a failed check
+    found = [
+        re.fullmatch(r"\s+" + pattern, line) for pattern, line in zip(TORCHFT_ACCOUNT_RE, lines, strict=True)
+    ]
+    assert all(found), account
+    assert int(found[0][1]) == port
+    with_both, alone_from, alone_to, again = map(int, found[1].groups())
+    assert alone_from == with_both + 1 and again == alone_to + 1 and alone_to >= alone_from, account
+    first, killed = map(int, found[4].groups())
+    assert first > killed + 1, account  # healed: past the epoch it died in (its snapshot: killed + 1)
+    # The lines the nodes printed (followed while they ran), apart from the account
+    node0, node1 = served(logs, "node0-1"), served(logs, "node1-1")
+    # node0 may have joined late and healed from node1 at the start (a quorum needs one group): from there
+    epochs0 = [(int(m[1]), int(m[4])) for line in node0 if (m := EPOCH_RE.match(line))]
+    assert [epoch for epoch, _ in epochs0] == list(range(epochs0[0][0], 41)), epochs0  # never back or again
+    since = [(epoch, size) for epoch, size in epochs0 if epoch >= killed]
+    sizes = [size for i, (_, size) in enumerate(since) if i == 0 or since[i - 1][1] != size]
+    assert sizes == [2, 1, 2], epochs0  # with node1 up to its kill, alone, with node1 again
+    assert sum(line.startswith("[group 0/2]") for line in node0) == 1, node0[:5]  # never restarted
+    assert not any("resuming from" in line for line in node0)
+    starts = [i for i, line in enumerate(node1) if line.startswith("[group 1/2]")]
+    assert len(starts) == 2, node1[:5]
+    before = [int(m[1]) for line in node1[: starts[1]] if (m := EPOCH_RE.match(line))]
+    after = [int(m[1]) for line in node1[starts[1] :] if (m := EPOCH_RE.match(line))]
+    assert before[-1] == killed and after[0] == first and after[-1] == 40, (before, after)
     left = run(
         ["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={job.name}"], timeout=60
     )

@@ -5,8 +5,9 @@
     make torchft FT_ARGS="--kill --kill_joining"    # ... killed again as it takes the state, restarted
     make torchft FT_ARGS=--restart_lighthouse       # the lighthouse killed and started again mid-run
 
-Each group runs in its own folder (its own snapshot, as on its own node). A killed group is started again
-once the others have trained --alone epochs without it. The account at the end says, per group and start,
+Each group runs in its own folder (its own snapshot, as on its own node). The lighthouse waits for every
+group before a step, unless --kill: then a quorum of one goes on, and a killed group is started again once
+the others have trained --alone epochs without it. The account at the end says, per group and start,
 the epochs it logged with the world size of each and how it ended, then what the failure cost: the seconds
 from the kill to the survivors' next epoch, and the step and second a restarted group took the live state
 at; --summary writes it as JSON. Exit status 0 when the last start of every group exited 0 and the groups'
@@ -118,8 +119,11 @@ def main():
     env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
     root = Path(args.dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
+    # A quorum of every group, unless one is killed: then the others must go on without it. With 1, the
+    # group that starts first would train alone until the others arrive (and may finish before they do).
+    quorum = 1 if args.kill else args.groups
     lighthouse_command = [
-        str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "1000",
+        str(BIN / "torchft_lighthouse"), "--min_replicas", str(quorum), "--join_timeout_ms", "1000",
         "--bind", f"127.0.0.1:{port}",
     ]  # fmt: skip
 
@@ -149,8 +153,15 @@ def main():
             return lambda: sum(size < args.groups for _, size in survivor.epochs(since)) >= args.alone
 
         if args.kill or args.restart_lighthouse:
-            first = starts[last][0]
-            wait_until(f"epoch {args.kill_epoch}", lambda: len(first.epochs()) >= args.kill_epoch, deadline)
+            first = starts[last][
+                0
+            ]  # the first group to start trains alone until the others join: wait for them
+
+            def together():
+                done = first.epochs()
+                return len(done) >= args.kill_epoch and done[-1][1] == args.groups
+
+            wait_until(f"epoch {args.kill_epoch} of all groups together", together, deadline)
         if args.kill:
             killed = time.monotonic()
             starts[last][0].kill()

@@ -43,8 +43,8 @@ def say(text):
 class Project:
     """One Compose project, run from the repository's root with the job's variables."""
 
-    def __init__(self, name, files, env, deadline):
-        self.name = name
+    def __init__(self, name, files, env, deadline, who="two-node failover"):
+        self.name, self.who = name, who  # who: what the error messages start with
         self.cmd, self.env, self.deadline = (
             ["docker", "compose", "--ansi", "never", "-p", name, *files],
             env,
@@ -61,17 +61,15 @@ class Project:
                 stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
-            sys.exit(f"two-node failover: error: `{' '.join(args)}` did not end within --timeout")
+            sys.exit(f"{self.who}: error: `{' '.join(args)}` did not end within --timeout")
         if check and proc.returncode:
-            sys.exit(
-                f"two-node failover: error: docker compose {' '.join(args)} failed:\n{proc.stdout or ''}"
-            )
+            sys.exit(f"{self.who}: error: docker compose {' '.join(args)} failed:\n{proc.stdout or ''}")
         return proc
 
     def container(self, service):
         ids = self("ps", "-a", "-q", service).stdout.split()
         if not ids:
-            sys.exit(f"two-node failover: error: no container for {service}")
+            sys.exit(f"{self.who}: error: no container for {service}")
         return ids[0]
 
     def log(self, service):
@@ -97,13 +95,13 @@ def docker(*args, deadline):
     ).stdout.strip()
 
 
-def wait_for(what, condition, deadline):
-    """Poll condition() until it returns something true; end the run if the deadline passes first."""
+def wait_for(what, condition, deadline, who="two-node failover", every=0.2):
+    """Poll condition() every `every` s until it returns something true; end the run at the deadline."""
     while time.monotonic() < deadline:
         if result := condition():
             return result
-        time.sleep(0.2)
-    sys.exit(f"two-node failover: error: {what} did not happen within --timeout")
+        time.sleep(every)
+    sys.exit(f"{who}: error: {what} did not happen within --timeout")
 
 
 def last_epoch(log):
