@@ -22,9 +22,9 @@ DIFF_BOUND = {
     ("multigpu_torchrun", "multigpu_accelerate"): 60,
     ("multigpu_torchrun", "multigpu_ray"): 60,
     ("single_gpu", "multigpu_dataparallel"): 25,
-    # torchft adds a Manager, its optimizer, gradients averaged through it, step-aligned epochs, a check across
-    # groups and four arguments, and drops torchrun's process group: more than the 60 its issue asked for
-    # (docs/fault-tolerance.md)
+    # torchft adds a Manager, its optimizer, gradients averaged through it, epochs counted in committed steps,
+    # a check across groups and four arguments, and drops torchrun's process group: more than the 60 of the
+    # other side steps (docs/fault-tolerance.md)
     ("multigpu_torchrun", "multigpu_torchft"): 90,
 }
 # The functions below each lesson's "Below: the same in every step" line, identical in every copy.
