@@ -1,8 +1,11 @@
 """Command line and size presets. Preset values are defaults: any option given on the command line wins."""
 
 import argparse
+import json
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +101,22 @@ class Layout:
         return {name: getattr(self, name) for name in (*self.NAMES, "zero")}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors under torchrun are said once, last: in torchrun's closing summary."""
+
+    def error(self, message):
+        if not (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
+            super().error(message)  # usage, the message, exit status 2
+        record = {"message": f"error: {message}", "extraInfo": {"timestamp": int(time.time())}}
+        with open(error_file, "w") as f:  # where torch.distributed.elastic's record writes a failure
+            json.dump({"message": record}, f)
+        # Each node's local rank 0 fails once the others have ended, so torchrun stops none of them and lists
+        # it alone, exit status 2; the others end quietly.
+        sys.exit(0 if os.environ.get("LOCAL_RANK", "0") != "0" else time.sleep(3) or 2)
+
+
 def get_parser():
-    p = argparse.ArgumentParser(description="Train a GPT, alone or under torchrun.")
+    p = Parser(description="Train a GPT, alone or under torchrun.")
     p.add_argument("--model", choices=PRESETS, help="size preset (default: gpt2 with a GPU, cpu without one)")
     p.add_argument(
         "--data", default="stdlib",
@@ -318,7 +335,7 @@ def parse_args(argv=None):
         (
             os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True"
             or os.getenv("TORCHELASTIC_MAX_RESTARTS") == "0",
-            "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d ...: with "
+            "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...: with "
             "torchrun's store shared, restarted processes can wait forever (docs/fault-tolerance.md)",
         ),
     ]
