@@ -181,7 +181,7 @@ def test_under_torchrun_a_bad_size_stops_every_process_before_training_and_write
         [*TORCHRUN, "--standalone", "--nproc-per-node=2", *args], timeout=120, check=False, cwd=tmp_path
     )
     assert proc.returncode != 0
-    message = "error: --tp 2: --n_head 3 does not divide into 2 parts"  # said once, last: torchrun's summary
+    message = "train.py: error: --tp 2: --n_head 3 does not divide into 2 parts"  # in torchrun's summary
     assert proc.stdout.count("does not divide") == 1, proc.stdout
     summary = proc.stdout.rstrip().splitlines()
     assert summary[-1].startswith("=====") and summary[-2].startswith(f"  traceback : {message}"), proc.stdout

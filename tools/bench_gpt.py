@@ -34,10 +34,12 @@ VARIANTS = {
     "ddp_2_processes_1_thread": (2, 1),
 }
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
-# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message, a
-# C++ exception's what(), or else torchrun's summary of a worker's exit code (its ChildFailedError says less)
+# an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message (in
+# torchrun's closing summary after "traceback : "), a C++ exception's what(), or else torchrun's summary of a
+# worker's exit code (its ChildFailedError says less)
 ERROR_RE = re.compile(
-    r"^(?:\[rank\d+\]: )?((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
+    r"^(?:\[rank\d+\]: |\s*traceback : )?"
+    r"((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
 )
 EXITCODE_RE = re.compile(r"^(exitcode\s*: -?\d+)")
 

@@ -107,7 +107,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         if not (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
             super().error(message)  # usage, the message, exit status 2
-        record = {"message": f"error: {message}", "extraInfo": {"timestamp": int(time.time())}}
+        record = {"message": f"{self.prog}: error: {message}", "extraInfo": {"timestamp": int(time.time())}}
         with open(error_file, "w") as f:  # where torch.distributed.elastic's record writes a failure
             json.dump({"message": record}, f)
         # Each node's local rank 0 fails once the others have ended, so torchrun stops none of them and lists
