@@ -67,7 +67,8 @@ class Trainer:
 def main(rank, world_size, args):
     ddp_setup(rank, world_size, args.timeout)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    print(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n", end="", flush=True)  # one write
+    rank = f"[rank {dist.get_rank()}/{dist.get_world_size()}]"
+    print(f"{rank} {device}, {dist.get_backend()}\n", end="", flush=True)  # one write: the line stays whole
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
@@ -182,18 +183,17 @@ def check_replicas(model, trained):
 
 if __name__ == "__main__":
     parser = get_parser()
-    gpus = torch.cuda.device_count()
-    parser.add_argument("--nproc", type=int, default=gpus or 2, help="processes: one per GPU, or 2")
+    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2, help="one per GPU, or 2")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
-    args = parser.parse_args()
-    check_args(parser, args)
-    if args.nproc < 1 or (gpus and args.nproc > gpus):
+    check_args(parser, args := parser.parse_args())
+    if ((gpus := torch.cuda.device_count()) and args.nproc > gpus) or args.nproc < 1:
         parser.error(f"--nproc must be between 1 and the number of GPUs ({gpus or 'any'}), got {args.nproc}")
     os.environ.setdefault("MASTER_ADDR", "localhost")  # where rank 0 hosts the group
-    with socket.socket() as s:  # on a port that nothing on this machine listens on
-        s.bind(("", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     try:
+        with socket.create_server(("", int(os.environ.get("MASTER_PORT", 0)))) as s:  # as rank 0 will; unset:
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])  # a port that nothing on this machine uses
         mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
+    except OSError as exc:  # create_server: the port is taken, and nothing has started
+        parser.error(f"MASTER_PORT={os.environ['MASTER_PORT']}: {os.strerror(exc.errno)}: unset it")
     except mp.ProcessExitedException as exc:  # the process said why before it ended: no traceback here
         sys.exit(exc.exit_code)

@@ -182,8 +182,7 @@ def check_replicas(model, trained):
 if __name__ == "__main__":
     parser = get_parser()
     parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
-    args = parser.parse_args()
-    check_args(parser, args)
+    check_args(parser, args := parser.parse_args())
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":

@@ -194,6 +194,5 @@ if __name__ == "__main__":
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2, help="GPUs, or 2")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None, help="Ray head HOST:PORT")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the Ray head")
-    args = parser.parse_args()
-    check_args(parser, args)
+    check_args(parser, args := parser.parse_args())
     run_on_ray(parser, args)

@@ -190,8 +190,7 @@ if __name__ == "__main__":
     parser.add_argument("--replica_groups", type=int, default=2, help="groups the data is split between")
     parser.add_argument("--min_replicas", type=int, default=1, help="groups a step needs (default 1)")
     parser.add_argument("--lighthouse", default="http://localhost:29510", help="the lighthouse's address")
-    args = parser.parse_args()
-    check_args(parser, args)
+    check_args(parser, args := parser.parse_args())
     if not 0 <= args.replica_group < args.replica_groups or args.min_replicas < 1:
         parser.error("needs 0 <= --replica_group < --replica_groups and --min_replicas at least 1")
     if os.getenv("LOCAL_WORLD_SIZE") != "1":

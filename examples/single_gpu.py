@@ -150,6 +150,5 @@ def log_epoch(args, epoch, loss, start, samples, world_size=1):
 
 if __name__ == "__main__":
     parser = get_parser()
-    args = parser.parse_args()
-    check_args(parser, args)
+    check_args(parser, args := parser.parse_args())
     main(args)
