@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import socket
 import threading
@@ -370,6 +371,20 @@ def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache,
     assert "Traceback" not in proc.stdout
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_snapshot.pt"]  # no pwned, no metrics
+
+
+def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_summary(tmp_path, cache, ddp2):
+    """Every process finds the snapshot unusable: none prints it; torchrun's closing summary says it, once,
+    last, as the error of local rank 0 (its error file), and the snapshot is left as it was."""
+    shutil.copytree(ddp2[0] / "gpt_snapshot", tmp_path / "gpt_snapshot")
+    before = files(tmp_path)
+    proc = train(tmp_path, cache, *RUN, "--batch_size", 8, "--n_layer", 3, nproc=2, check=False)
+    assert proc.returncode != 0
+    assert proc.stdout.count("another configuration: n_layer 2 (this run: 3)") == 1, proc.stdout[-3000:]
+    summary = proc.stdout.rstrip().splitlines()
+    assert summary[-1].startswith("=====") and summary[-2].startswith("  traceback : error: cannot resume")
+    assert "exitcode  : 1" in proc.stdout and "<NO_OTHER_FAILURES>" in proc.stdout, proc.stdout[-3000:]
+    assert files(tmp_path) == before
 
 
 # ---- data sources and bad input ----------------------------------------------------------------------

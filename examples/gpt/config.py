@@ -101,18 +101,33 @@ class Layout:
         return {name: getattr(self, name) for name in (*self.NAMES, "zero")}
 
 
+def fail(message, status=1):
+    """End the run with `message`, for a failure that every process meets alike (bad input, a snapshot it
+    cannot use, divergence). Alone: the message on stderr, exit `status`. Under torchrun: said once, last,
+    as the error of torchrun's closing summary, not once per process. Each process writes it to the error
+    file torchrun reads (where torch.distributed.elastic's record writes a failure); each node's local rank
+    0 exits `status` once the node's other processes have ended quietly (0), so that torchrun stops none of
+    them and lists it alone."""
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
+        status = 0 if os.environ.get("LOCAL_RANK", "0") != "0" else time.sleep(3) or status
+    else:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if torch.distributed.is_initialized():
+        os._exit(status)  # no interpreter shutdown with the group's threads alive (see train.py's end)
+    sys.exit(status)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, whose errors under torchrun are said once, last: in torchrun's closing summary."""
 
     def error(self, message):
-        if not (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             super().error(message)  # usage, the message, exit status 2
-        record = {"message": f"{self.prog}: error: {message}", "extraInfo": {"timestamp": int(time.time())}}
-        with open(error_file, "w") as f:  # where torch.distributed.elastic's record writes a failure
-            json.dump({"message": record}, f)
-        # Each node's local rank 0 fails once the others have ended, so torchrun stops none of them and lists
-        # it alone, exit status 2; the others end quietly.
-        sys.exit(0 if os.environ.get("LOCAL_RANK", "0") != "0" else time.sleep(3) or 2)
+        fail(f"{self.prog}: error: {message}", 2)
 
 
 def get_parser():

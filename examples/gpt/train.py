@@ -23,7 +23,7 @@ import hang
 import preempt
 import torch
 import torch.distributed as dist
-from config import parse_args
+from config import fail, parse_args
 from snapshots import all_ranks, snapshot_config
 from trainer import Trainer, setup_processes
 
@@ -45,7 +45,7 @@ def main():
         if snapshot is None and args.init_from:
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus))
     except checkpoint.SnapshotError as exc:
-        sys.exit(f"error: {exc}")
+        fail(f"error: {exc}")
     stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
     hang.record(args.snapshot_path)  # every collective in torch's flight recorder, read on a timeout
     try:
@@ -55,8 +55,8 @@ def main():
     hang.arm(args.snapshot_path, rank, world)  # dumps when another process's collective times out
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
-        sys.exit(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
-                 "--snapshot_path on a filesystem that every node shares")  # fmt: skip
+        fail(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
+             "--snapshot_path on a filesystem that every node shares")  # fmt: skip
     leads = rank == args.layout.leader  # the process that speaks for all
     if snapshot is not None and leads:
         source = args.snapshot_path if "shards" in snapshot else args.init_from
@@ -72,15 +72,12 @@ def main():
             del snapshot  # a single file's tensors (--init_from): written as the run's first snapshot
             trainer.train(stop)
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
-            sys.exit(f"error: {exc}")
+            fail(f"error: {exc}")
         except guards.Diverged as exc:  # every process decided it from the same all-reduced numbers
             newest = checkpoint.latest(args.snapshot_path) if os.path.isdir(args.snapshot_path) else None
             kept = f"the newest snapshot is {newest}" if newest else "nothing was saved"
-            if leads:
-                print(f"error: {exc}, before its update: training stopped, {kept}. Lower --lr, or raise "
-                      "--warmup_steps, or pass --skip_nonfinite N", file=sys.stderr, flush=True)  # fmt: skip
-            sys.stdout.flush()
-            os._exit(1)
+            fail(f"error: {exc}, before its update: training stopped, {kept}. Lower --lr, or raise "
+                 "--warmup_steps, or pass --skip_nonfinite N")  # fmt: skip
         except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
             timed_out(args, rank, world, exc)
     if dist.is_initialized():
