@@ -153,9 +153,8 @@ def main():
             return lambda: sum(size < args.groups for _, size in survivor.epochs(since)) >= args.alone
 
         if args.kill or args.restart_lighthouse:
-            first = starts[last][
-                0
-            ]  # the first group to start trains alone until the others join: wait for them
+            # the first group to start trains alone until the others join: wait for them
+            first = starts[last][0]
 
             def together():
                 done = first.epochs()
