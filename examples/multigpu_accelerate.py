@@ -74,6 +74,13 @@ def main(args):
     accelerator.end_training()  # destroys the group; one still held (see imports) could abort the exit
 
 
+def refuse(message):
+    """Under torchrun, say why once: in its closing summary (the error file), local rank 0 failing last."""
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # the format of torch.distributed.elastic's
+        json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
+    sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # the others end first, quietly
+
+
 # Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -133,8 +140,7 @@ def save_snapshot(path, model, optimizer, epochs_run):
     """Write a temporary file, then rename it: a crash mid-write leaves the previous snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with open(tmp := f"{path}.tmp.{os.getpid()}", "wb") as f:
         torch.save({**state, "EPOCHS_RUN": epochs_run}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the snapshot
@@ -182,14 +188,16 @@ def check_replicas(model, trained):
 if __name__ == "__main__":
     parser = get_parser()
     parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
+    if os.getenv("TORCHELASTIC_ERROR_FILE"):  # started by torchrun: an error is said once, in its summary
+        parser.error = lambda message: refuse(f"error: {message}")
     check_args(parser, args := parser.parse_args())
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # what torchrun's closing summary shows
-            message = "error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ..."
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
-        sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # others end, then one fails
+        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
     if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
         parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
-    main(args)
+    try:
+        main(args)
+    except SystemExit as exc:  # a refusal once the group is up (rank 0's, a snapshot that does not fit)
+        refuse(exc.code) if exc.code else sys.exit(0)

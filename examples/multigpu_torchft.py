@@ -135,8 +135,7 @@ def save_snapshot(path, model, optimizer, epochs_run):
     """Write a temporary file, then rename it: a crash mid-write leaves the previous snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with open(tmp := f"{path}.tmp.{os.getpid()}", "wb") as f:
         torch.save({**state, "EPOCHS_RUN": epochs_run}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the snapshot

@@ -138,42 +138,47 @@ def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tm
     assert "<NO_OTHER_FAILURES>" in out and "usage:" not in out and "epoch 1/" not in out, out[-3000:]
 
 
-# What torchrun gives each worker (its local rank, a fresh error file per worker and round) when restarts
-# share its store; each lesson it starts refuses to run then.
+# What torchrun gives each worker (its local rank, a fresh error file per worker and round); with the store
+# variables, restarts that share its store, which each lesson it starts refuses.
 TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
+SHARED_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
 
 
+@pytest.mark.parametrize("refusal", ["store", "argument"])
 @pytest.mark.parametrize("local_rank", ["0", "1"])
 @pytest.mark.parametrize("lesson", TORCHRUN_LESSONS)
-def test_the_store_refusal_is_written_where_torchruns_summary_reads_it(
-    lesson, local_rank, tmp_path, monkeypatch, capsys
+def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
+    lesson, local_rank, refusal, tmp_path, monkeypatch, capsys
 ):
-    """The refusal goes to the process's error file, in the format of torch.distributed.elastic's record;
-    each node's local rank 0 fails, the others end quietly. No process prints it: torchrun's closing summary
-    does, once per node, last. The command it suggests starts as the lesson's documented one. (The lesson's
-    __main__ runs here, in this process, as in tests/test_bad_input.py.)"""
+    """A refusal (restarts that share the store, a bad argument) goes to the process's error file, in the
+    format of torch.distributed.elastic's record; each node's local rank 0 fails, the others end quietly.
+    No process prints it: torchrun's closing summary does, once per node, last. The command the store
+    refusal suggests starts as the lesson's documented one. (The lesson's __main__ runs here, in this
+    process, as in tests/test_bad_input.py.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     error_file = tmp_path / "error.json"
     script = EXAMPLES / f"{lesson}.py"
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "LOCAL_WORLD_SIZE": "2"}
+    env = {**(SHARED_STORE if refusal == "store" else {}), "LOCAL_WORLD_SIZE": "2"}
     env.update(LOCAL_RANK=local_rank, RANK=local_rank, TORCHELASTIC_ERROR_FILE=str(error_file))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", [str(script), "1", "1"])
+    monkeypatch.setattr(sys, "argv", [str(script), "1" if refusal == "store" else "0", "1"])
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr()
     assert out.out + out.err == "", out
+    assert sorted(os.listdir(tmp_path)) == ["error.json"]  # nothing else written
     if local_rank != "0":  # torchrun reads the error files of failed processes only
         assert exited.value.code == 0
         return
     assert exited.value.code == 2
     message = json.loads(error_file.read_text())["message"]["message"]
     documented = ast.get_docstring(ast.parse(script.read_text())).splitlines()[2].split()[:2]
-    assert message == f"error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
+    store = f"error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
+    assert message == (store if refusal == "store" else "error: total_epochs must be positive, got 0")
     # torchrun's own reader of error files: what its closing summary prints for this failure
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert f"traceback : {message}\n" in ChildFailedError(lesson, {0: failure}).format_msg()

@@ -73,6 +73,25 @@ def test_a_snapshot_that_does_not_fit_is_explained_once_whole_and_last_under_mp_
     assert path.read_bytes() == good_snapshot
 
 
+@pytest.mark.parametrize("lesson", ["multigpu_torchrun", "multigpu_accelerate"])
+def test_under_torchrun_a_snapshot_that_does_not_fit_is_said_once_as_its_summarys_error(
+    good_snapshot, tmp_path, lesson
+):
+    """The same misfit under torchrun: not printed by a process, but shown once, whole, as the error of
+    torchrun's closing summary (rank 0's error file); the other process ends quietly, nothing is written."""
+    path = tmp_path / "snap.pt"
+    path.write_bytes(good_snapshot)
+    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16, "--workload", "vision"]
+    proc = run(example_cmd(lesson, *args, nproc=2), timeout=300, check=False, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count(f"cannot resume from snapshot {path}") == 1, out[-3000:]
+    said = f"  traceback : error: cannot resume from snapshot {path} (RuntimeError: Error(s) in loading"
+    assert said in out and 'Missing key(s) in state_dict: "conv1.weight"' in out, out[-3000:]
+    assert "<NO_OTHER_FAILURES>" in out and "exitcode  : 2" in out and "epoch 1/" not in out, out[-3000:]
+    assert path.read_bytes() == good_snapshot and sorted(os.listdir(tmp_path)) == ["snap.pt"]
+
+
 # sitecustomize for the example's process: its second torch.save writes half a file, then fails or dies
 HALF_A_SAVE = """
 import os, signal, torch

@@ -13,19 +13,22 @@ ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "
 # torchft's replicas are groups, compared through its Manager: its check_replicas is its own
 DDP_LESSONS = [n for n in ALL if n not in ("single_gpu", "multigpu_dataparallel", "multigpu_torchft")]
 MAX_LINES = 200  # every lesson, comments and docstrings included, reads in five minutes
+# The lessons torchrun starts say a refusal once, as the error of its closing summary, not once per process:
+# a function that writes the error file, and the two routes to it (argparse, the snapshot) take 8 lines.
+TORCHRUN_MAX_LINES = {"multigpu_torchrun": 210, "multinode": 210, "multigpu_accelerate": 210}
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson. README.md quotes these figures.
 DIFF_BOUND = {
     ("single_gpu", "multigpu"): 70,
-    ("multigpu", "multigpu_torchrun"): 45,
+    ("multigpu", "multigpu_torchrun"): 50,  # 5 of them: its refusals said once, in torchrun's summary
     ("multigpu_torchrun", "multinode"): 30,
     ("multigpu_torchrun", "multigpu_accelerate"): 60,
     ("multigpu_torchrun", "multigpu_ray"): 60,
     ("single_gpu", "multigpu_dataparallel"): 25,
     # torchft adds a Manager, its optimizer, gradients averaged through it, epochs counted in committed steps,
-    # a check across groups and four arguments, and drops torchrun's process group: more than the 60 of the
-    # other side steps (docs/fault-tolerance.md)
-    ("multigpu_torchrun", "multigpu_torchft"): 90,
+    # a check across groups and four arguments, and drops torchrun's process group and its refusals (a group
+    # is one process, which says them once): more than the 60 of the side steps (docs/fault-tolerance.md)
+    ("multigpu_torchrun", "multigpu_torchft"): 101,
 }
 # The functions below each lesson's "Below: the same in every step" line, identical in every copy.
 SHARED = ["get_parser", "check_args", "load_train_objs", "save_snapshot", "load_snapshot", "log_epoch"]
@@ -60,7 +63,7 @@ def test_sizes_and_diffs_are_within_their_bounds():
     diffs = {pair: len(changed_lines(*pair)) for pair in DIFF_BOUND}
     print("\nlines:", ", ".join(f"{name} {count}" for name, count in sizes.items()))
     print("make diff:", ", ".join(f"{a} -> {b} {count}" for (a, b), count in diffs.items()))
-    assert all(count <= MAX_LINES for count in sizes.values()), sizes
+    assert all(count <= TORCHRUN_MAX_LINES.get(name, MAX_LINES) for name, count in sizes.items()), sizes
     for pair, count in diffs.items():
         assert count <= DIFF_BOUND[pair], f"{pair[0]} -> {pair[1]}: {count} changed lines"
 
