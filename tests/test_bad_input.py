@@ -117,3 +117,4 @@ def test_more_processes_than_gpus_are_refused(tmp_path, name, message):
     proc = run(example_cmd(name, "1", "1", nproc=2), env=env, timeout=120, check=False, cwd=work)
     assert proc.returncode == (2 if name == "multigpu" else 1), proc.stdout[-3000:]  # torchrun's status: 1
     assert_refused_early(proc, message, work)
+    assert proc.stdout.count(message) == 1, proc.stdout[-3000:]  # torchrun: in its summary, not per process
