@@ -76,8 +76,9 @@ def main(args):
     dist.destroy_process_group()  # a group still pinned (see imports): exit aborts, docs/troubleshooting.md
 
 
-def refuse(message):
-    """Under torchrun, say why once: in its closing summary (the error file), local rank 0 failing last."""
+def refuse(message):  # under torchrun: said once, in its closing summary (the error file), rank 0 last
+    if not isinstance(message, str) or not os.getenv("TORCHELASTIC_ERROR_FILE"):  # a status, or no torchrun
+        sys.exit(message)
     with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # the format of torch.distributed.elastic's
         json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
     sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # the others end first, quietly
@@ -202,4 +203,5 @@ if __name__ == "__main__":
     try:
         main(args)
     except SystemExit as exc:  # a refusal once the group is up (rank 0's, a snapshot that does not fit)
-        refuse(exc.code) if exc.code else sys.exit(0)
+        dist.destroy_process_group()  # first: exit with the group's threads running can abort
+        refuse(exc.code)  # the other processes: 0, they end quietly

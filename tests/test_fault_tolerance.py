@@ -184,6 +184,28 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     assert f"traceback : {message}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
 
 
+@pytest.mark.parametrize("lesson", TORCHRUN_LESSONS)
+def test_refuse_passes_an_exit_status_on_and_says_a_message_itself_where_torchrun_gave_no_error_file(
+    lesson, tmp_path, monkeypatch
+):
+    """What is not a message (a status from torch, 0 from a process that leaves the saying to rank 0) ends
+    the process with that status, writing nothing: torchrun's summary cannot print a number as a message.
+    Without an error file (torchrun's --log-dir /dev/null sets it empty), the message ends the process
+    itself, on stderr, rather than a traceback about the file."""
+    error_file = tmp_path / "error.json"
+    refuse = runpy.run_path(str(EXAMPLES / f"{lesson}.py"))["refuse"]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    for status in (1, 0, None):
+        with pytest.raises(SystemExit) as exited:
+            refuse(status)
+        assert exited.value.code == status and not error_file.exists()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
+    with pytest.raises(SystemExit) as exited:
+        refuse("error: a reason")
+    assert exited.value.code == "error: a reason" and not list(tmp_path.iterdir())
+
+
 def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path):
     # round 1: rank 1 starts 60 s late; rank 0 must give up after --timeout, naming what it waited for,
     # and round 2 resumes

@@ -14,21 +14,21 @@ ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "
 DDP_LESSONS = [n for n in ALL if n not in ("single_gpu", "multigpu_dataparallel", "multigpu_torchft")]
 MAX_LINES = 200  # every lesson, comments and docstrings included, reads in five minutes
 # The lessons torchrun starts say a refusal once, as the error of its closing summary, not once per process:
-# a function that writes the error file, and the two routes to it (argparse, the snapshot) take 8 lines.
+# a function that writes the error file, and the two routes to it (argparse, the snapshot) take 10 lines.
 TORCHRUN_MAX_LINES = {"multigpu_torchrun": 210, "multinode": 210, "multigpu_accelerate": 210}
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson. README.md quotes these figures.
 DIFF_BOUND = {
     ("single_gpu", "multigpu"): 70,
-    ("multigpu", "multigpu_torchrun"): 50,  # 5 of them: its refusals said once, in torchrun's summary
+    ("multigpu", "multigpu_torchrun"): 52,  # 9 of them: its refusals said once, in torchrun's summary
     ("multigpu_torchrun", "multinode"): 30,
     ("multigpu_torchrun", "multigpu_accelerate"): 60,
-    ("multigpu_torchrun", "multigpu_ray"): 60,
+    ("multigpu_torchrun", "multigpu_ray"): 62,  # 2 more: torchrun's refusal, which Ray does not need
     ("single_gpu", "multigpu_dataparallel"): 25,
     # torchft adds a Manager, its optimizer, gradients averaged through it, epochs counted in committed steps,
     # a check across groups and four arguments, and drops torchrun's process group and its refusals (a group
     # is one process, which says them once): more than the 60 of the side steps (docs/fault-tolerance.md)
-    ("multigpu_torchrun", "multigpu_torchft"): 101,
+    ("multigpu_torchrun", "multigpu_torchft"): 103,
 }
 # The functions below each lesson's "Below: the same in every step" line, identical in every copy.
 SHARED = ["get_parser", "check_args", "load_train_objs", "save_snapshot", "load_snapshot", "log_epoch"]
