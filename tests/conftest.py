@@ -26,6 +26,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import steps  # noqa: E402  (tools/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"
+# the lessons torchrun starts with several processes, which say a refusal once, in its closing summary
+TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed to make as VENV

@@ -25,6 +25,7 @@ from conftest import (
     REPO,
     RUN_ID,
     TORCHRUN,
+    TORCHRUN_LESSONS,
     VENV,
     TrainLog,
     bound,
@@ -140,7 +141,6 @@ def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tm
 
 # What torchrun gives each worker (its local rank, a fresh error file per worker and round); with the store
 # variables, restarts that share its store, which each lesson it starts refuses.
-TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
 SHARED_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
 
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, TORCHRUN_LESSONS
 
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]
@@ -15,7 +15,7 @@ DDP_LESSONS = [n for n in ALL if n not in ("single_gpu", "multigpu_dataparallel"
 MAX_LINES = 200  # every lesson, comments and docstrings included, reads in five minutes
 # The lessons torchrun starts say a refusal once, as the error of its closing summary, not once per process:
 # a function that writes the error file, and the two routes to it (argparse, the snapshot) take 10 lines.
-TORCHRUN_MAX_LINES = {"multigpu_torchrun": 210, "multinode": 210, "multigpu_accelerate": 210}
+TORCHRUN_MAX_LINES = dict.fromkeys(TORCHRUN_LESSONS, 210)
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson. README.md quotes these figures.
 DIFF_BOUND = {
@@ -33,6 +33,7 @@ DIFF_BOUND = {
 # The functions below each lesson's "Below: the same in every step" line, identical in every copy.
 SHARED = ["get_parser", "check_args", "load_train_objs", "save_snapshot", "load_snapshot", "log_epoch"]
 SHARED_DDP = ["check_replicas"]  # in every DDP step (DataParallel is one process: nothing to check)
+SHARED_TORCHRUN = ["refuse"]  # in the lessons torchrun starts with several processes
 # What the lessons no longer teach: the speed options live in the GPT trainer (examples/gpt/).
 LEFT_OUT = ["no_sync", "comm_hook", "bucket_cap_mb", "static_graph", "bfloat16", "channels_last", "sha256"]
 
@@ -68,9 +69,9 @@ def test_sizes_and_diffs_are_within_their_bounds():
         assert count <= DIFF_BOUND[pair], f"{pair[0]} -> {pair[1]}: {count} changed lines"
 
 
-@pytest.mark.parametrize("function", SHARED + SHARED_DDP)
+@pytest.mark.parametrize("function", SHARED + SHARED_DDP + SHARED_TORCHRUN)
 def test_shared_functions_are_identical(function):
-    names = ALL if function in SHARED else DDP_LESSONS
+    names = ALL if function in SHARED else DDP_LESSONS if function in SHARED_DDP else TORCHRUN_LESSONS
     copies = {name: functions(name).get(function) for name in names}
     assert all(copies.values()), f"{function} missing from {[n for n, c in copies.items() if not c]}"
     reference_name, reference = next(iter(copies.items()))
