@@ -102,7 +102,8 @@ class RankTimes:
         if not dist.is_initialized():
             return mine.tolist()
         every = torch.empty(dist.get_world_size(), device=self.device)
-        dist.all_gather_single(every, mine)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # before torch 2.13
+        gather(every, mine)
         return every.tolist()
 
     def report(self, times, factor):
