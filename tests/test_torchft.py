@@ -66,6 +66,20 @@ def test_a_killed_group_heals_from_its_live_peer_which_never_stops(tmp_path):
     assert any("took the live state at step" in figure for figure in account["figures"])
 
 
+def test_a_group_back_after_the_others_ended_is_told_it_had_nobody_to_heal_from(tmp_path):
+    """On a fast machine the others can finish before a restarted group joins them (on an H200 machine at
+    --epochs 12): it then trains alone, and the account says why nothing healed instead of offering one
+    group's weights check as the result. Here group 1 is started again only once group 0 has ended
+    (--alone more than the epochs left)."""
+    args = ["--kill", "--kill_epoch", "2", "--epochs", "20", "--alone", "1000"]
+    result, account = demo(tmp_path, *args)
+    assert result.returncode == 1, result.stdout[-3000:]
+    [survivor] = account["group0"]
+    assert survivor["returncode"] == 0 and survivor["epochs"][-1][0] == 20
+    [figure] = [f for f in account["figures"] if "live state" in f]
+    assert figure.startswith("group1 took no live state") and figure.endswith("raise --epochs"), figure
+
+
 def test_a_restarted_lighthouse_stops_the_groups_which_resume_from_their_snapshots(tmp_path):
     """make torchft FT_ARGS=--restart_lighthouse: the lighthouse killed after epoch 7 and started again;
     torchft 0.2.0's groups do not find the new one: each stops at its quorum timeout naming the lighthouse,

@@ -95,7 +95,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="runs/torchft", help="one folder per group under it")
     parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
-    parser.add_argument("--epochs", type=int, default=30, help="epochs to train (default 30)")
+    # 60: with --kill, the others still train when the killed group is back (its start takes 5 to 11 s)
+    parser.add_argument("--epochs", type=int, default=60, help="epochs to train (default 60)")
     parser.add_argument("--save_every", type=int, default=5, help="snapshot every this many epochs")
     parser.add_argument("--dataset_size", type=int, default=8192, help="samples: 128 steps an epoch a group")
     parser.add_argument("--kill", action="store_true", help="SIGKILL the last group after --kill_epoch")
@@ -149,8 +150,12 @@ def main():
             starts[n].append(group(n))
         survivor, last = starts[0][0], args.groups - 1
 
-        def alone(since):  # the survivor has logged --alone epochs without the killed group
-            return lambda: sum(size < args.groups for _, size in survivor.epochs(since)) >= args.alone
+        def alone(since):  # the survivor has logged --alone epochs without the killed group, or has ended
+            def done():
+                epochs = sum(size < args.groups for _, size in survivor.epochs(since))
+                return epochs >= args.alone or survivor.proc.poll() is not None
+
+            return done
 
         if args.kill or args.restart_lighthouse:
             # the first group to start trains alone until the others join: wait for them
@@ -191,10 +196,16 @@ def main():
             for run in runs:
                 run.kill()
         house.kill()
-    if args.kill and (healed := survivor.first(HEAL, starts[last][-1].started)):
-        step, seconds = int(healed[1][1]), healed[0] - starts[last][-1].started
+    back = starts[last][-1].started  # the killed group's last start
+    if args.kill and (healed := survivor.first(HEAL, back)):
+        step, seconds = int(healed[1][1]), healed[0] - back
+        figures.append(f"group{last} took the live state at step {step}, {seconds:.1f} s after its start")
+    elif args.kill:  # nobody left to heal from: it trained on alone, from its snapshot or from the start
+        gap = survivor.times[-1] - back  # group0's last line, from the killed group's last start
+        when = f"{gap:.1f} s after" if gap >= 0 else f"{-gap:.1f} s before"
         figures.append(
-            f"group{last} took the live state at step {step}, {seconds:.1f} s after its last start"
+            f"group{last} took no live state: group0 ended {when} its last start, with nobody left to heal "
+            "from; raise --epochs"
         )
     account = {
         f"group{n}": [
