@@ -82,7 +82,7 @@ def main(args):
 def refuse(message):  # under torchrun: said once, in its closing summary (the error file), rank 0 last
     if not isinstance(message, str) or not os.getenv("TORCHELASTIC_ERROR_FILE"):  # a status, or no torchrun
         sys.exit(message)
-    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # the format of torch.distributed.elastic's
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # as torch.distributed.elastic's @record does
         json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
     sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # the others end first, quietly
 
