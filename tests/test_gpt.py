@@ -282,6 +282,52 @@ def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
     assert re.search(r"rank 0 .*all_gather_object", report), report
 
 
+# Process 0's collective fails as gloo's do on the others when one process gives up first: the connection
+# closed by that peer, before process 0's own timeout. Process 1 sleeps: alive, its watcher answers.
+LOST = STALL.replace(
+    "    return train(self, *args)",
+    '    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:39085")',
+)
+
+
+def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache):
+    """A paused node: the first process to time out closes its connections, and the other's collective
+    fails `Connection closed by peer`; that one must still dump and ask the others (a Docker test's report
+    once lacked its stack), and say what it lost."""
+    (tmp_path / "lost.py").write_text(LOST)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", tmp_path / "lost.py", TRAIN, "--cache_dir", cache]
+    proc = run([*cmd, *TINY, "--max_steps", 5, "--dist_timeout", 60], timeout=300, check=False, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    said = "error: process 0 lost its connection to another process, which gave up first or died"
+    assert said in proc.stdout, proc.stdout[-3000:]
+    assert "every process wrote its stack to gpt_snapshot/hang: make why-hung" in proc.stdout
+    report = run([PYTHON, REPO / "tools" / "why_hung.py", tmp_path / "gpt_snapshot"], timeout=120).stdout
+    assert re.search(r"rank 1 .*lost\.py:\d+", report), report  # asleep, asked by process 0
+    assert re.search(r"rank 0 \(.*\): failed in ", report), report  # not a timeout of its own
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [172.18.0.3]:39085",  # seen in Docker
+        "Application timeout caused pair closure",  # seen in Docker, on the process that did not time out
+        "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21932: Connection reset by peer",
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete",
+    ],
+)
+def test_gloos_ways_of_losing_a_collective_to_a_hang_each_dump_and_are_named(error, monkeypatch, tmp_path):
+    train_py = import_gpt_module("train")
+    monkeypatch.setattr(train_py.hang, "dump", lambda *args: [])  # what it would return: nobody silent
+    args = argparse.Namespace(snapshot_path=str(tmp_path), dist_timeout=15.0)
+    with pytest.raises(SystemExit) as exit_:
+        train_py.timed_out(args, 1, 4, RuntimeError(error))
+    lost = "timed out" not in error.lower()
+    assert ("lost its connection to another process" in str(exit_.value)) == lost, exit_.value
+    assert f"every process wrote its stack to {tmp_path}/hang" in str(exit_.value)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # anything else is raised as it came
+        train_py.timed_out(args, 1, 4, RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", TRAIN, "--cache_dir", cache]
     cmd += [*TINY, *RUN, "--batch_size", 8]

@@ -8,8 +8,10 @@ import signal
 import subprocess
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
+import why_hung as report_tool  # tools/why_hung.py (tools/ is on the path: conftest)
 from conftest import GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, VENV, kill_group, popen, run
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,6 +54,23 @@ def test_mismatched_collectives_names_each_rank_and_its_collective(tmp_path):
     # torch's own analyser, on the same files, blames the same process
     assert any("torch's analyser" in line and "Culprit rank 1" in line for line in report), report
     assert lines[-1].startswith(f"cause: mismatched collectives: {verdict}; fix: "), lines[-1]
+
+
+def test_silent_processes_lead_the_verdict_though_the_others_wait_in_different_collectives():
+    """A paused node (seen in Docker): a ring all-reduce can end on rank 1, which got every chunk, while
+    rank 0 still waits for one from the paused node; rank 1 is in the next collective. The silent ranks are
+    the cause, named first; the others' places follow. With every process alive, the mismatch is the
+    verdict, as before."""
+    trainer, guards = "examples/gpt/trainer.py:157", "examples/gpt/guards.py:24"
+    last = {"default_pg": (45, "all_reduce", guards)}
+    procs = {
+        0: SimpleNamespace(rank=0, op="backward", where=trainer, header={"pid": 10}, doing="", newest={}),
+        1: SimpleNamespace(rank=1, op="all_reduce", where=guards, header={"pid": 11}, doing="", newest=last),
+    }
+    apart = f"rank 1 calls all_reduce #45 ({guards}) where rank 0 calls backward ({trainer})"
+    found = report_tool.verdict(procs, [2, 3], "")
+    assert found == f"ranks 2, 3 {report_tool.MISSING}, while {apart}", found
+    assert report_tool.verdict(procs, [], "") == apart
 
 
 def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):

@@ -190,13 +190,16 @@ def verdict(procs, missing, behind):
         return f"{p.op}{f' #{seq}' if seq is not None else ''} ({p.where})"
 
     ops = Counter(p.op for p in waiting)
+    wait = ""
     if len(ops) > 1:  # in different collectives: the odd ones are those in the rarer (or rank 0's other)
         usual = max(ops, key=lambda op: (ops[op], -min(p.rank for p in waiting if p.op == op)))
         ref = next(p for p in waiting if p.op == usual)
         odd = "; ".join(f"rank {p.rank} calls {at(p)}" for p in waiting if p.op != usual)
-        return f"{odd} where rank {ref.rank} calls {at(ref)}"
-    wait = ""
-    if waiting:
+        wait = f"{odd} where rank {ref.rank} calls {at(ref)}"
+        if not missing:
+            return wait
+        # with a process silent, the others' collectives differ by the one that ended on some of them only
+    elif waiting:
         ranks = [p.rank for p in waiting]
         wait = f"{plural('rank', ranks)} wait{'s' * (len(ranks) == 1)} in {at(waiting[0])}"
     if missing:
