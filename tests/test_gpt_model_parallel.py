@@ -295,7 +295,7 @@ def reported(self, *args):
     update(self, *args)
     moved = any(not a.equal(b) for a, b in zip(before, self.raw.parameters()))
     with open(f"steps{self.rank}.txt", "a") as f:
-        f.write(f"{self.step} {self.scaler.value} {moved}\\n")
+        f.write(f"{self.step} {float(self.scaler.value)} {moved}\\n")
 trainer.Trainer.update = reported
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -417,6 +417,11 @@ def layout_checks(args, layout, cuda):
             f"--tp {layout.tp}: --n_head {args.n_head} does not divide into {layout.tp} parts",
         ),
         (
+            args.block_size % layout.tp == 0,
+            f"--tp {layout.tp}: --block_size {args.block_size} does not divide into {layout.tp} parts "
+            "(sequence parallel splits the positions)",
+        ),
+        (
             not args.comm_hook or (layout.pp, layout.dp_shard, layout.tp) == (1, 1, 1),
             comm_hook_refused(layout.describe()),
         ),

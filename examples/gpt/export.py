@@ -15,7 +15,7 @@ from dataclasses import fields
 import checkpoint
 import tokenizer as tok
 import torch
-from model import GPT, GPTConfig, optimizer_groups
+from model import GPT, GPTConfig, init_buffers, optimizer_groups
 
 
 def load_whole(snapshot_dir):
@@ -28,6 +28,7 @@ def load_whole(snapshot_dir):
         model = GPT(GPTConfig(**{key: value for key, value in state["config"].items() if key in shape}))
     model.to_empty(device="cpu")
     model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
+    init_buffers(model)
     # the groups as in training; their settings (lr, betas, weight decay) come from the snapshot
     optimizer = torch.optim.AdamW(optimizer_groups(model, 0.0))
     checkpoint.load_shards(state.pop("shards"), model, optimizer)

@@ -3,6 +3,7 @@ MLP, then a final norm and an output layer that shares its weight with the token
 
 import hashlib
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,18 @@ class CausalSelfAttention(nn.Module):
         seeded from the shared one (which so moves alike everywhere), as distinct heads do in one process."""
         if not dropout or self.head_share is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        seed = int(torch.randint(2**62, ()))
-        with torch.random.fork_rng(devices=[q.device] if q.is_cuda else []):
-            torch.manual_seed(seed + self.head_share)
+        with own_stream(self.head_share, q.device):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+
+@contextmanager
+def own_stream(share, device):
+    """A random stream of this share's own (of the heads, the positions or the pipeline's stages) for the
+    code inside, seeded from the stream the processes of one batch share, which so moves alike everywhere."""
+    seed = int(torch.randint(2**62, ()))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed + share)
+        yield
 
 
 class MLP(nn.Module):
@@ -162,6 +171,22 @@ def initial_value(name, shape, cfg, seed):
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(key))
+
+
+def init_buffers(model):
+    """Buffers (a rotary table, a mask) have no values on the meta device, nor after to_empty: every module
+    that holds some says how to fill them, in a method init_buffers(), called here once its storage exists.
+    model.py's GPT has none."""
+    missing = []
+    for name, module in model.named_modules():
+        own = [f"{name}.{b}".lstrip(".") for b, _ in module.named_buffers(recurse=False)]
+        if own and hasattr(module, "init_buffers"):
+            with torch.no_grad():
+                module.init_buffers()
+        else:
+            missing += own
+    if missing:
+        raise TypeError(f"buffers {missing} cannot be filled: give their module an init_buffers() method")
 
 
 def cross_entropy(logits, targets):

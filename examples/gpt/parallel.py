@@ -16,14 +16,15 @@ the loss of a pipeline, the gradient norm, and the end-of-run comparison of repl
 
 import hashlib
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from ac import apply_ac
-from model import cross_entropy, generate, initial_value
+from model import cross_entropy, generate, init_buffers, initial_value, own_stream
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,15 +56,76 @@ def split_stage(model, mesh):
 
 
 def apply_tp(model, mesh):
-    """tp: column-split qkv and fc (each process computes its share of the outputs: whole heads, since
-    model.py lays qkv out head by head), row-split both proj (each multiplies its share of the inputs, one
-    all-reduce adds the parts). Embeddings, norms and the head stay whole. Each process's share of the
-    heads draws its own attention dropout (model.CausalSelfAttention.attend)."""
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
-    plan |= {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    """tp, as torchtitan plans it: every parameter becomes a DTensor on mesh["tp"], so that AdamW (fused or
+    foreach), clipping and the checks see one kind of tensor. Split: both embeddings by rows (a process
+    looks up its share of the vocabulary, or of the positions, and one reduce-scatter sums the parts), qkv
+    and fc by output columns (whole heads: model.py lays qkv out head by head), both proj by input rows,
+    and the head by the vocabulary: its logits stay split and the loss is computed on the split (torch's
+    loss_parallel), so no process holds the whole (batch, length, vocabulary) logits. Between the matrices
+    the activations are split along the sequence (sequence parallel): the norms (replicated weights), the
+    residual stream and its dropout hold 1/tp of the positions; all-gathered before qkv and fc. Each
+    process's dropout draws its own masks: its share of the positions (ShareDropout) or of the heads
+    (model.CausalSelfAttention.attend)."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    tp, rank = mesh["tp"], mesh["tp"].get_local_rank()
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    block_plan = {
+        "ln1": SequenceParallel(),
+        "attn": gather,
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(),
+        "mlp": gather,
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
     for block in model.blocks.values():
-        parallelize_module(block, mesh["tp"], plan)
-        block.attn.head_share = mesh["tp"].get_local_rank()
+        parallelize_module(block, tp, present(block, block_plan))
+        block.attn.head_share = rank
+    root_plan = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    parallelize_module(model, tp, present(model, root_plan))
+    if model.head is not None and model.tok_emb is not None:
+        model.head.weight = model.tok_emb.weight  # both split by the vocabulary, alike: one matrix again
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Dropout:
+                setattr(module, name, ShareDropout(child.p, rank))
+
+
+def present(module, plan):
+    """The entries of a tensor-parallel plan whose modules this module has (a pipeline stage lacks some; a
+    model of your own may lack a norm)."""
+    out = {}
+    for name, style in plan.items():
+        try:
+            found = module.get_submodule(name)
+        except AttributeError:
+            found = None
+        if found is not None:
+            out[name] = style
+    return out
+
+
+class ShareDropout(nn.Dropout):
+    """Dropout over one process's share of the positions (sequence parallel): the processes of one batch
+    share a random stream, so each draws from its own, seeded from the shared one, as one process draws
+    distinct masks for distinct positions."""
+
+    def __init__(self, p, share):
+        super().__init__(p)
+        self.share = share
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with own_stream(self.share, x.device):
+            return super().forward(x)
 
 
 def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
@@ -79,8 +141,11 @@ def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     dp_mesh = mesh["dp_replicate", "dp_shard"]
-    for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    blocks = list(model.blocks.values())
+    for block in blocks:
+        # the last block stays gathered after forward: backward starts with it
+        reshard = reshard_after_forward and block is not blocks[-1]
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
@@ -100,12 +165,17 @@ def make_optimizer(groups, layout, mesh, device):
     """AdamW over the parameter groups, built after the model is split (FSDP and tp replace parameters);
     under zero, each replica keeps and updates the AdamW state of its share of the tensors only, then
     broadcasts the updated share."""
-    options = dict(lr=1.0, betas=(0.9, 0.95), fused=device.type == "cuda")  # lr: set before every step
+    # fused on every device: the GPU's kernel runs on the CPU too, so the tests run the GPU's path; it
+    # also skips a step on the device (found_inf, trainer.update). lr: set before every step
+    options = dict(lr=1.0, betas=(0.9, 0.95), fused=True)
     if layout.zero and layout.dp_replicate > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         group = mesh["dp_replicate"].get_group()
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=group, **options)
+        # bucket views: each process's updated share is broadcast as a few flat buffers, not a tensor each
+        return ZeroRedundancyOptimizer(
+            groups, torch.optim.AdamW, process_group=group, parameters_as_bucket_view=True, **options
+        )
     return torch.optim.AdamW(groups, **options)
 
 
@@ -117,10 +187,11 @@ def local_optimizer(optimizer):
 def materialise(model, device, seed):
     """Storage for this process's parts (the model was built on the meta device), filled with their
     initial values: each parameter is made whole on the CPU, one at a time, cut there (local_part), and
-    only this process's part is copied to the device."""
+    only this process's part is copied to the device; buffers as their modules fill them (init_buffers)."""
     model.to_empty(device=device)
     if model.head is not None and model.tok_emb is not None:
         model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
+    init_buffers(model)
     cpu_meshes = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -144,6 +215,10 @@ def local_part(value, param, cpu_meshes):
 
 def local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class Parallel:
@@ -171,22 +246,42 @@ class Parallel:
             return self.runner.no_sync()
         return nullcontext()
 
+    def loss_context(self):
+        """Under tp the head's logits stay split over the vocabulary: the loss, and its backward, are then
+        computed on the split (torch's loss_parallel)."""
+        if self.layout.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
     def step(self, x, y, backward):
-        with self.forward_timer:
-            _, loss = self.runner(x, y)
-        backward(loss)
+        with self.loss_context():
+            with self.forward_timer:
+                _, loss = self.runner(x, y)
+            backward(loss)
         self.backward_done()
-        return loss.detach()
+        return local(loss.detach())
 
     def backward_done(self):
         for hook in self.after_backward:
             hook()
 
     def loss(self, x, y):
-        return self.module(x, y)[1]
+        with self.loss_context():
+            return local(self.module(x, y)[1])
 
     def logits(self, idx):
-        return self.module(idx)
+        """The last position's logits (batch, 1, vocab), whole."""
+        idx, last = self.padded(idx)
+        return whole(self.module(idx)[:, last : last + 1])
+
+    def padded(self, idx):
+        """(idx padded on the right to a multiple of tp, the last real position): sequence parallel splits
+        the positions evenly, and causal attention keeps the padding out of the positions before it."""
+        length = idx.shape[1]
+        extra = -length % self.layout.tp
+        return torch.cat([idx, idx[:, -1:].expand(-1, extra)], dim=1), length - 1
 
     def generate(self, idx, count, **kwargs):
         return generate(self.logits, idx, count, self.module.cfg.block_size, **kwargs)
@@ -262,7 +357,9 @@ class Pipeline(Parallel):
     def step(self, x, y, backward):
         """Forward and backward over the micro-batches; returns the batch's mean loss in every stage."""
         losses = []
-        with self.stage_rng():
+        # dropout: the processes of one share of the batch draw alike, so each stage draws from a stream of
+        # its own, as one process's successive blocks draw distinct masks
+        with own_stream(self.stage, self.device), self.loss_context():
             if self.first:
                 self.schedule.step(x)
             elif self.last:
@@ -275,24 +372,18 @@ class Pipeline(Parallel):
         # stay equal.
         if self.first or self.last:
             dist.all_reduce(local(self.module.tok_emb.weight.grad), group=self.tied)
-        return self._from_last(torch.stack(losses).mean() if self.last else None, y.device)
-
-    @contextmanager
-    def stage_rng(self):
-        """Dropout: the processes of one data-parallel share draw from one stream (tp's must agree), so
-        without care every stage would draw the same masks for its blocks. Here each stage draws from its
-        own stream, seeded from the shared one (which so moves alike everywhere), as the successive blocks
-        of one process draw distinct masks."""
-        seed = int(torch.randint(2**62, ()))
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed + self.stage)
-            yield
+        mean = torch.stack([local(v) for v in losses]).mean() if self.last else None
+        return self._from_last(mean, y.device)
 
     @torch.no_grad()
     def _forward(self, x, shape):
         """Token ids (first stage) through every stage; the last stage's output, elsewhere None."""
         if not self.first:
-            x = torch.empty(*shape, self.module.cfg.n_embd, device=x.device)
+            batch, length = shape
+            if self.layout.tp > 1:  # sequence parallel: this process's share of the positions, as Shard(1)
+                shares = [len(c) for c in torch.arange(length).chunk(self.layout.tp)] + [0] * self.layout.tp
+                length = shares[self.mesh["tp"].get_local_rank()]
+            x = torch.empty(batch, length, self.module.cfg.n_embd, device=x.device)
             dist.recv(x, self.ranks[self.stage - 1], group=self.group)
         out = self.module(x)
         if not self.last:
@@ -303,14 +394,17 @@ class Pipeline(Parallel):
     def loss(self, x, y):
         """The mean loss of one batch without a backward pass; every stage gets it."""
         out = self._forward(x, y.shape)
-        return self._from_last(None if out is None else cross_entropy(out, y), y.device)
+        with self.loss_context():
+            loss = None if out is None else local(cross_entropy(out, y))
+        return self._from_last(loss, y.device)
 
     def logits(self, idx):
         """The last position's logits (batch, 1, vocab), sent from the last stage to every stage."""
+        idx, at = self.padded(idx)
         out = self._forward(idx, idx.shape)
         last = torch.empty(idx.shape[0], 1, self.module.cfg.vocab_size, device=idx.device)
         if out is not None:
-            last.copy_(out[:, -1:].float())
+            last.copy_(whole(out[:, at : at + 1]).float())
         dist.broadcast(last, self.ranks[-1], group=self.group)
         return last
 
@@ -339,30 +433,19 @@ def counted_once(parallel):
 
 
 def clip_grad_norm_(parallel, max_norm):
-    """torch.nn.utils.clip_grad_norm_ over the whole model, wherever its parts live: the squares of each
-    gradient's local part, summed along the mesh dimensions it is split over, then over the pipeline's
-    stages. Every process runs the same collectives, in the same order, whatever it holds."""
+    """Gradient clipping over the whole model with torch's own functions, wherever its parts live: the total
+    norm of this process's gradients (a DTensor's norm includes the parts other processes hold along the
+    mesh dimensions it is split over), its square summed over the pipeline's stages, then every gradient
+    scaled by the same factor as in one process."""
     params, counted = counted_once(parallel)
-    if parallel.mesh is None or (parallel.layout.pp, parallel.layout.tp) == (1, 1):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # one mesh (or none): torch's own
-    subsets = [s for n in range(len(DATA_DIMS) + 1) for s in itertools.combinations(DATA_DIMS, n)]
-    device = params[0].device if params else torch.device("cpu")
-    squares = torch.zeros(len(subsets), device=device, dtype=torch.float32)
-    for p in counted:
-        squares[subsets.index(sharded_dims(p.grad))] += local(p.grad).float().pow(2).sum()
-    for dim in DATA_DIMS:  # a sum over several dimensions is a sum over each in turn
-        if parallel.layout.shape[parallel.layout.NAMES.index(dim)] == 1:
-            continue
-        mask = torch.tensor([dim in s for s in subsets], device=device)
-        part = squares * mask
-        dist.all_reduce(part, group=parallel.mesh[dim].get_group())
-        squares = torch.where(mask, part, squares)
-    total = squares.sum()
-    dist.all_reduce(total, group=parallel.mesh["pp"].get_group())
-    norm = total.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's, so one process gets the same numbers
-    for p in params:
-        local(p.grad).mul_(scale)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if isinstance(parallel, Pipeline):
+        squares = norm.float().square()
+        dist.all_reduce(squares, group=parallel.mesh["pp"].get_group())
+        norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 

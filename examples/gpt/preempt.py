@@ -1,7 +1,8 @@
 """SIGTERM, what Slurm (scancel, preemption, --signal) and Kubernetes (eviction, deletion) send before
-SIGKILL, and what torchrun forwards to its workers: the handler only notes it. The trainer reads the note
-at its next step's check (guards.verdict, where every process learns whether any was asked), saves that
-step's starting state and exits, so a resumed run goes on as if never stopped."""
+SIGKILL, and what torchrun forwards to its workers: the handler only notes it. Every step's checks carry
+the note to every process (guards.verdict); at the next step that reads them (a log, evaluation or save
+step: within --log_every steps) the trainer saves that step's starting state and exits, so a resumed run
+goes on as if never stopped."""
 
 import signal
 

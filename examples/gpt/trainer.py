@@ -18,6 +18,7 @@ from memory import MemoryHistory, MemoryMeter
 from metrics import Metrics, RankTimes
 from model import GPT, flops_per_token, optimizer_groups, parameter_count
 from snapshots import all_ranks, model_config
+from torch.distributed.tensor.experimental import implicit_replication
 from traces import StepProfiler
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
@@ -85,7 +86,7 @@ class Trainer:
         self.raw = self.parallel.module  # this process's part of the GPT
         groups = optimizer_groups(self.raw, args.weight_decay)
         self.optimizer = parallel.make_optimizer(groups, layout, self.parallel.mesh, device)
-        self.scaler = guards.LossScaler(enabled=self.dtype == torch.float16)
+        self.scaler = guards.LossScaler(enabled=self.dtype == torch.float16, device=device)
         self.step = self.skipped = 0
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
@@ -115,8 +116,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train_step(self, stop):
-        """Forward and backward over the micro-batches and the checks (guards.verdict), no update yet:
-        (mean loss, gradient norm, loss finite, norm finite, stop asked on some process)."""
+        """Forward and backward over the micro-batches, then the checks (guards.verdict), no update yet:
+        the verdict, a tensor on the device."""
         a = self.args
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
@@ -135,23 +136,41 @@ class Trainer:
         norm = parallel.clip_grad_norm_(self.parallel, a.grad_clip or math.inf)
         return guards.verdict(loss_sum / a.grad_accum, norm, stop)
 
-    def update(self, loss, norm, loss_ok, norm_ok):
-        """The optimizer step; or a skipped one: fp16's overflow (its scale halves), or up to
-        --skip_nonfinite non-finite steps; past those, guards.Diverged, before any update."""
-        if loss_ok and norm_ok:
-            self.scaler.update(False)
+    def update(self, verdict):
+        """The optimizer step, decided on the device: fused AdamW skips it where the verdict says a loss or
+        a gradient is not finite (its found_inf), and fp16's loss scale halves or grows."""
+        skip = guards.skip(verdict)
+        parallel.local_optimizer(self.optimizer).found_inf = skip
+        with implicit_replication():  # found_inf beside DTensor parameters: the same on every process
             self.optimizer.step()
-        elif loss_ok and self.scaler.enabled:
-            self.scaler.update(True)
-        elif self.skipped < self.args.skip_nonfinite:
-            self.skipped += 1
-            self.log(f"step {self.step + 1}: loss {loss}, gradient norm {norm}: skipped "
-                     f"({self.skipped} of --skip_nonfinite {self.args.skip_nonfinite})")  # fmt: skip
-        else:
-            raise guards.Diverged(f"the {'loss' if not loss_ok else 'gradient norm'} became "
-                                  f"{loss if not loss_ok else norm} at step {self.step + 1}")  # fmt: skip
+        self.scaler.update(skip)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+
+    def check(self, pending, losses):
+        """The host's side of the checks, on a step that reads them: every step since the last read, read
+        at once. A skipped step is logged and counted against --skip_nonfinite (fp16's overflows are the
+        loss scale's, not counted); past those, guards.Diverged, before this step's update and any save.
+        Adds the finite losses to `losses`; returns this step's (norm, loss finite, stop asked)."""
+        rows = guards.read(pending)
+        for step, loss, norm, loss_ok, norm_ok, _ in rows:
+            if loss_ok:
+                losses.append(loss)
+            if (loss_ok and norm_ok) or (loss_ok and self.scaler.enabled):
+                continue
+            what, value = ("loss", loss) if not loss_ok else ("gradient norm", norm)
+            if self.skipped >= self.args.skip_nonfinite:
+                raise guards.Diverged(f"the {what} became {value} at step {step}")
+            self.skipped += 1
+            self.log(f"step {step}: loss {loss}, gradient norm {norm}: skipped "
+                     f"({self.skipped} of --skip_nonfinite {self.args.skip_nonfinite})")  # fmt: skip
+        _, _, norm, loss_ok, _, stopping = rows[-1]
+        return norm, loss_ok, stopping
+
+    def reads(self, step):
+        """Whether the host reads the checks at this step (1-based): it logs, evaluates or is the last."""
+        a = self.args
+        return step % a.log_every == 0 or step % a.eval_every == 0 or step == a.max_steps
 
     def backward(self, loss):
         self.scaler.scale(loss / self.args.grad_accum).backward()
@@ -179,11 +198,11 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------------------------
     def train(self, stop):
-        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then the
-        state at the start of the step under way is saved and False returned. A snapshot due after step s
-        is written only once step s + 1's loss shows its weights sound, before that step's update: no
-        snapshot holds weights that gave a non-finite loss. The last one is checked by the final
-        validation loss."""
+        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then, at
+        the next step that reads the checks (within --log_every steps), the state at its start is saved and
+        False returned. A snapshot due after step s is written only once step s + 1's loss shows its
+        weights sound, before that step's update: no snapshot holds weights that gave a non-finite loss.
+        The last one is checked by the final validation loss."""
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         tokens = f"{self.corpus.tokenizer.kind} tokenizer" if self.corpus.tokenizer else "no tokenizer"
@@ -200,22 +219,26 @@ class Trainer:
         # --slow_factor 0: nothing timed (on a GPU, events no gather would read)
         self.times = self.parallel.forward_timer = RankTimes(self.device) if a.slow_factor else nullcontext()
         profiler = a.profile_steps and StepProfiler(a.profile_steps, a.profile_dir, self.rank, self.device)
-        losses, steps, due, clock = [], 0, False, time.perf_counter()
+        pending, losses, steps, due, clock = [], [], 0, False, time.perf_counter()
+        norm = math.nan
         while self.step < a.max_steps:
             if profiler:
                 profiler.at_step(self.step + 1)
             # what a snapshot taken before this step's update holds
             rng = snapshots.rng_state(self.device)
-            loss, norm, loss_ok, norm_ok, stopping = self.train_step(bool(stop))
-            if loss_ok and (due or stopping):
-                clock += self.save(rng)
-                due = False
-            if stopping and loss_ok:
-                self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
-                history.dump()
-                return False
-            self.update(loss, norm, loss_ok, norm_ok)
-            losses += [loss] if loss_ok else []
+            verdict = self.train_step(bool(stop))
+            pending.append((self.step + 1, verdict))
+            if due or self.reads(self.step + 1):
+                norm, loss_ok, stopping = self.check(pending, losses)
+                pending = []
+                if loss_ok and (due or stopping):
+                    clock += self.save(rng)
+                    due = False
+                if stopping and loss_ok:
+                    self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
+                    history.dump()
+                    return False
+            self.update(verdict)
             steps += 1
             last = self.step == a.max_steps
             if self.step % a.log_every == 0 or last:
