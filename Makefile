@@ -41,7 +41,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo torchft pitfalls test test-quick lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo torchft pitfalls gpu-check test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -257,6 +257,9 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
 # ==== end benchmarks =====================================================================================
 
+
+gpu-check: $(ENV) ## on a GPU machine: the GPU tests, then GPT-2 small bf16 eager and compiled (about 6 min)
+	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) tools/gpu_check.sh
 
 test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-quick)
 	$(PY) -m pytest $(TEST_ARGS)

@@ -189,6 +189,9 @@ dist.init_process_group("gloo")
 if kind == "pp":  # one block per stage, 4 micro-batches
     layout = config.Layout(pp=2, dp_shard=2)
     cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
+elif kind == "fsdp":  # two blocks, one micro-batch
+    layout = config.Layout(dp_shard=4)
+    cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16)
 else:  # FSDP over tp's shards: a matrix split twice along its rows (_StridedShard)
     layout = config.Layout(dp_shard=2, tp=2)
     cfg = GPTConfig(vocab_size=10, block_size=16, n_layer=2, n_head=2, n_embd=18)
@@ -210,7 +213,7 @@ parallel.initial_value = spy
 with torch.device("meta"):
     model = GPT(cfg)
 run = parallel.parallelize(model, layout, args, torch.device("cpu"))
-if kind == "pp":
+if kind in ("pp", "fsdp"):
     if model.dropout is not None:
         model.dropout.p = 0.0  # the first stage's embedding dropout would shift its stream
     masks, gathers = [], []
@@ -236,6 +239,8 @@ if kind == "pp":
     dist.all_gather(every, mine)
     # ranks 0 and 2: the first and the second stage of one data-parallel share
     result = ("alike" if every[0].equal(every[2]) else "distinct") + f" all-gathers {count.item()}"
+    if kind == "fsdp":
+        result = f"all-gathers {count.item()}"
 else:
     ok = max(alive) == 0
     for name, p in model.named_parameters():
@@ -262,6 +267,13 @@ def test_pp_x_fsdp_gathers_each_block_once_a_step_and_each_stage_draws_its_own_d
     # each stage holds two FSDP units (its block, and the root's embedding or final norm and head): one
     # all-gather each per step, whatever the micro-batches (10 with resharding after every forward)
     assert probe(tmp_path, "pp") == "RESULT distinct all-gathers 2"
+
+
+def test_fsdp_keeps_the_last_block_gathered_from_its_forward_to_its_backward(tmp_path):
+    """Forward gathers the root's parameters (embeddings, final norm, head) and both blocks; backward
+    gathers again all but the last block, which backward starts with: 5 all-gathers a step, 6 when every
+    unit reshards after its forward (the mutation: this fails)."""
+    assert probe(tmp_path, "fsdp") == "RESULT all-gathers 5"
 
 
 def test_initial_values_are_cut_on_the_cpu_one_whole_parameter_at_a_time_and_equal_one_process(tmp_path):

@@ -5,8 +5,10 @@ refuse sizes that do not split before any process group forms. About 4 minutes o
 at load average 2 to 3)."""
 
 import io
+import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import test_gpt_sharding as sharding
@@ -30,6 +32,7 @@ from test_gpt_sharding import CRASH
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
 RUN += ["--grad_clip", 0]
+PROBES = Path(__file__).parent / "gpt_probes"
 REPLICAS_RE = re.compile(r"^replicas identical: (\d+) copies compared across ranks$", re.M)
 
 
@@ -240,7 +243,7 @@ import guards, torch.distributed as dist
 verdict, calls = guards.verdict, []
 def one_sided(loss, norm, stop):
     calls.append(1)
-    if dist.get_rank() == 1 and len(calls) == 3:
+    if dist.get_rank() == 1 and len(calls) == int(os.environ["NAN_STEP"]):
         loss = loss * float("nan")
     return verdict(loss, norm, stop)
 guards.verdict = one_sided
@@ -250,22 +253,51 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.parametrize("skip", [1, 0])
-def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(tmp_path, cache, skip):  # noqa: F811
+@pytest.mark.parametrize("step", [3, 2])
+def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(tmp_path, cache, skip, step):  # noqa: F811
+    """Step 3 logs, so the host reads its checks before its update; step 2's are read with step 3's (an
+    ordinary step reads nothing back): the step was skipped on the device, and is said, counted or
+    stopped for when read. Mutations: found_inf not given to AdamW (the replicas differ: it updated on
+    one process), or read() skipping all but the last step (step 2 is never said): both fail."""
     wrapper = sharding.script_file(tmp_path, ONE_SIDED_NAN)
     args = ["--parallel", "tp", "--max_steps", 6, "--log_every", 3, "--skip_nonfinite", skip]
-    proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, check=False)
+    env = {"NAN_STEP": str(step)}
+    proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, check=False, env=env)
     if skip:
         assert proc.returncode == 0, proc.stdout[-3000:]
         assert (
-            "step 3: loss nan, gradient norm" in proc.stdout
+            f"step {step}: loss nan, gradient norm" in proc.stdout
             and "skipped (1 of --skip_nonfinite 1)" in proc.stdout
         )
         # both processes skipped it: the weights tp does not split are still alike on both
         assert REPLICAS_RE.search(proc.stdout).group(1) == "2", proc.stdout[-3000:]
     else:
         assert proc.returncode == 1, proc.stdout[-3000:]
-        assert "error: the loss became nan at step 3, before its update" in proc.stdout, proc.stdout[-3000:]
+        assert f"error: the loss became nan at step {step}, before its update" in proc.stdout
         assert "nothing was saved" in proc.stdout and not (tmp_path / "gpt_snapshot").exists()
+
+
+# ---- an ordinary step reads nothing back: the host waits for the device only where it logs or saves -----
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, nproc):  # noqa: F811
+    """tests/gpt_probes/host_reads.py counts every value examples/gpt reads from a tensor, step by step
+    (on a GPU also every synchronising call). Steps 4, 8, 12 log (8 evaluates, 12 is the last), 6 and 11
+    follow a due snapshot: only those read; the others read 0. One process, and tp on 2, where every
+    parameter must be a DTensor for the GPU's AdamW (fused or foreach) to take them. Mutations: the
+    verdict read every step (as before: 2 reads a step), or tp's embeddings left plain tensors (a mix
+    that foreach AdamW refuses): each fails."""
+    args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
+    args += ["--parallel", "tp"] if nproc else []
+    sharding.train(tmp_path, cache, *args, nproc=nproc, script=PROBES / "host_reads.py")
+    checked = [4, 6, 8, 11, 12]
+    for rank in range(nproc or 1):
+        found = json.loads((tmp_path / f"reads.rank{rank}.json").read_text())
+        reads = {int(step): count for step, count in found["reads"].items()}
+        assert found["checked"] == checked, found
+        ordinary = {s: n for s, n in reads.items() if s not in checked}
+        assert ordinary == {s: 0 for s in range(1, 13) if s not in checked}, reads
+        assert all(reads[s] > 0 for s in checked), reads
+        assert found["one_kind"] and found["foreach"], found
 
 
 # train.py under DDP, with an infinity in one gradient of rank 1 alone after step 3's all-reduce (its own
@@ -365,3 +397,25 @@ def test_the_loss_scale_and_its_clean_steps_survive_a_snapshot():
     off = guards.LossScaler(False)
     off.load_state_dict(state)
     assert off.state_dict() == {} and off.scale(torch.tensor(3.0)).item() == 3.0
+
+
+TP_ONE_RE = re.compile(
+    r"^tp 1 on (\w+): every parameter a DTensor True, fused AdamW, loss ([0-9.]+) -> ([0-9.]+)$", re.M
+)
+
+
+def tp_at_world_size_1(tmp_path, env=None):
+    """tests/gpt_probes/tp_one_process.py under torchrun: (backend, first loss, last loss)."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROBES / "tp_one_process.py", TRAIN.parent]
+    proc = run(cmd, timeout=300, cwd=tmp_path, env=env)
+    found = TP_ONE_RE.search(proc.stdout)
+    assert found, proc.stdout[-3000:]
+    return found[1], float(found[2]), float(found[3])
+
+
+def test_tp_at_world_size_1_trains_with_fused_adamw(tmp_path):
+    """The GPU's optimizer over tp's DTensors, with loss parallel and the device-side checks: the loss
+    falls. tests/test_gpu.py runs the same on NCCL. Mutation: the old plan (embeddings and head left plain
+    tensors): fused AdamW refuses the mix at step 1 and this fails."""
+    backend, first, last = tp_at_world_size_1(tmp_path)
+    assert backend == "gloo" and last < first - 0.5, (backend, first, last)

@@ -4,7 +4,8 @@ and tp on 2 processes through what the docs say (a class that GPT's interface, g
 import re
 
 import pytest
-from conftest import TORCHRUN, run
+import torch
+from conftest import TORCHRUN, import_gpt_module, run
 from test_gpt import TINY, TRAIN, cache
 from torch.distributed import checkpoint as dcp
 
@@ -15,6 +16,7 @@ __all__ = ["cache"]
 OWN_MODEL = """
 import os, runpy, sys
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import torch
 import torch.nn.functional as F
 import model, trainer
 from torch import nn
@@ -31,10 +33,15 @@ class ParallelBlock(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = model.CausalSelfAttention(cfg)
         self.mlp = SquaredReLU(cfg)
+        # a buffer (as a rotary table or a mask is): built on the meta device, it holds no value there
+        self.register_buffer("half", torch.full((cfg.n_embd,), 0.5), persistent=False)
+
+    def init_buffers(self):  # what the trainer calls once the buffer has storage
+        self.half.fill_(0.5)
 
     def forward(self, x):
         h = self.ln1(x)
-        return x + self.attn(h) + self.mlp(h)
+        return x * (2 * self.half) + self.attn(h) + self.mlp(h)
 
 
 class OwnModel(model.GPT):
@@ -44,6 +51,16 @@ class OwnModel(model.GPT):
 
 
 trainer.GPT = OwnModel
+finish = trainer.Trainer.finish
+
+
+def finish_and_show_buffers(self, meter):
+    values = sorted({float(v) for b in self.raw.buffers() for v in b.flatten()})
+    print(f"rank {self.rank}: buffer values {values}", flush=True)
+    return finish(self, meter)
+
+
+trainer.Trainer.finish = finish_and_show_buffers
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -63,5 +80,18 @@ def test_a_model_of_your_own_trains_under_each_strategy(tmp_path, cache, strateg
     assert not any("ln2" in name for name in names), names  # model.py's GPT has a second norm per block
     losses = [float(v) for _, v in VAL_RE.findall(proc.stdout)]
     assert losses and losses[-1] < 4.0, proc.stdout[-2000:]  # below ln(96) = 4.56: it learns
+    # the buffer holds what init_buffers() gave it on every process, not what to_empty left there
+    assert proc.stdout.count("buffer values [0.5]") == 2, proc.stdout[-2000:]
     if strategy == "ddp":
         assert "replicas identical" in proc.stdout
+
+
+def test_a_buffer_without_init_buffers_is_named():
+    """Mutation: init_buffers() skipping the check: the model trains on garbage and this fails."""
+    model = import_gpt_module("model")
+    with torch.device("meta"):
+        gpt = model.GPT(model.GPTConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=8))
+        gpt.blocks["0"].register_buffer("mask", torch.ones(4))
+    gpt.to_empty(device="cpu")
+    with pytest.raises(TypeError, match=r"buffers \['blocks.0.mask'\] cannot be filled: give their module"):
+        model.init_buffers(gpt)

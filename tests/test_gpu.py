@@ -3,6 +3,8 @@
 Skipped where torch sees no GPU (CI has none); `make test` on a GPU machine runs them on every visible GPU.
 """
 
+import json
+
 import pytest
 import torch
 from conftest import (
@@ -182,3 +184,27 @@ def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_ran
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "Watchdog caught collective operation timeout" in proc.stdout, proc.stdout[-3000:]
     assert list(tmp_path.glob("nccl_trace_rank_*")), proc.stdout[-3000:]  # the flight recorder's dump
+
+
+def test_tp_at_world_size_1_on_nccl_trains_with_fused_adamw(tmp_path):
+    """Tensor parallel's optimizer path on the GPU (fused AdamW over DTensors, loss parallel, found_inf):
+    the probe of tests/test_gpt_model_parallel.py, on NCCL."""
+    from test_gpt_model_parallel import tp_at_world_size_1
+
+    backend, first, last = tp_at_world_size_1(tmp_path, env=GPU_ENV)
+    assert backend == "nccl" and last < first - 0.5, (backend, first, last)
+
+
+def test_an_ordinary_gpt_step_on_the_gpu_waits_for_nothing(tmp_path):
+    """tests/gpt_probes/host_reads.py on the GPU, one process, bf16: CUDA's sync debug mode warns of every
+    call in a step that waits for the device; the steps that neither log, evaluate nor save have none."""
+    from test_gpt_model_parallel import PROBES
+    from test_gpt_sharding import train
+
+    args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
+    cache = tmp_path / "cache"
+    train(tmp_path, cache, *args, script=PROBES / "host_reads.py", env=GPU_ENV)
+    found = json.loads((tmp_path / "reads.rank0.json").read_text())
+    reads = {int(step): count for step, count in found["reads"].items()}
+    assert found["checked"] == [4, 6, 8, 11, 12], found
+    assert all(reads[s] == 0 for s in reads if s not in found["checked"]), reads

@@ -290,8 +290,8 @@ def pod_spec(kind, obj):
 
 @pytest.mark.parametrize("base", BASES)
 def test_sigterm_comes_early_enough_for_a_step_and_a_snapshot(base):
-    # the GPT trainer needs up to two steps and a save after SIGTERM (docs/fault-tolerance.md); Kubernetes'
-    # default grace period, 30 s, is short of that for a step of seconds
+    # the GPT trainer needs up to --log_every steps and a save after SIGTERM (docs/fault-tolerance.md);
+    # Kubernetes' default grace period, 30 s, is short of that for a step of seconds
     kind, obj = job_of(rendered(base))
     grace = pod_spec(kind, obj)["terminationGracePeriodSeconds"]
     # torchrun's own wait for its workers after it forwards SIGTERM (30 s unless set), within the grace

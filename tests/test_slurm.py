@@ -191,8 +191,8 @@ def test_job_script_refuses_to_run_outside_slurm():
 
 
 def test_the_job_gets_sigterm_early_enough_to_save_before_its_time_limit():
-    # the GPT trainer saves on SIGTERM, after up to two steps (docs/fault-tolerance.md); Slurm's KillWait
-    # (30 s) alone is short of that for a step of seconds
+    # the GPT trainer saves on SIGTERM, after up to --log_every steps (docs/fault-tolerance.md); Slurm's
+    # KillWait (30 s) alone is short of that for a step of seconds
     text = Path(JOB_SCRIPT).read_text()
     lead = re.search(r"^#SBATCH --signal=TERM@(\d+)$", text, re.M)
     wait = re.search(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=\$\{\w+:-(\d+)\}$", text, re.M)

@@ -34,10 +34,10 @@ THEORY = {
         ("1/N", "1/N", "1/N"),
         "as fsdp: every micro-batch's gradients reduce-scattered, never whole",
     ),
-    "tp": (None, "the split linears 1/N, the rest whole"),
+    "tp": (("1/N", "1/N", "1/N"), "about 1/N: every matrix and embedding split, norms and row biases whole"),
     "pp": (None, "the layers of one stage"),
     "hsdp": ((0.5, 0.5, 0.5), "everything 1/2: sharded over dp_shard 2, replicated over dp_replicate 2"),
-    "fsdp x tp": (None, "block linears 1/4 (tp 2, then dp_shard 2), embeddings and norms 1/2"),
+    "fsdp x tp": ((0.25, 0.25, 0.25), "about 1/4: split by tp 2, then by dp_shard 2; norms 1/2"),
     "pp x fsdp": (
         None,
         "one stage's layers, 1/2 of them; its gradients whole between the pipeline's micro-batches",

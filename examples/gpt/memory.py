@@ -53,6 +53,7 @@ class MemoryMeter:
 
     def __init__(self, model, optimizer, parallel=None):
         self.model, self.optimizer, self.grads_bytes = model, optimizer, 0
+        self.active = True  # the trainer counts on the steps that log only: every step holds the same
         optimizer.register_step_pre_hook(self.count_grads)
         if parallel is not None:
             parallel.after_backward.append(self.count_grads)
@@ -63,6 +64,8 @@ class MemoryMeter:
         return params + [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def count_grads(self, *_):
+        if not self.active:
+            return
         held = [p.grad for p in self.parameters()] + fsdp_unsharded_grads(self.model)
         self.grads_bytes = max(self.grads_bytes, nbytes(held))
 

@@ -226,6 +226,7 @@ class Trainer:
                 profiler.at_step(self.step + 1)
             # what a snapshot taken before this step's update holds
             rng = snapshots.rng_state(self.device)
+            meter.active = self.reads(self.step + 1)
             verdict = self.train_step(bool(stop))
             pending.append((self.step + 1, verdict))
             if due or self.reads(self.step + 1):
