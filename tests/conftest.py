@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -149,6 +150,35 @@ def bound(timeout):
     """timeout, or less where pytest-timeout would stop the test first: a command's bound then fires 15 s
     before it, and kills the command's process group with the output shown."""
     return max(1.0, min(timeout, _deadline[0] - time.monotonic() - 15))
+
+
+def communicate_while_progressing(proc, quiet, limit):
+    """proc's whole output (stdout, text, one pipe) once it ends. A hang is a process that prints nothing
+    for `quiet` seconds: the test fails, saying so. One that keeps printing may take up to `limit` seconds
+    (cut to end before pytest-timeout), so that a slow machine makes a slow test, not a red one; past it
+    the test fails, saying it was still making progress."""
+    lines, last = [], [time.monotonic()]
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            last[0] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    start, limit = time.monotonic(), bound(limit)
+    while proc.poll() is None:
+        now = time.monotonic()
+        silent = now - last[0] > quiet
+        if silent or now - start > limit:
+            kill_group(proc)
+            proc.wait()
+            reader.join(timeout=10)
+            why = f"no output for {quiet}s" if silent else f"still printing after {limit:.0f}s"
+            pytest.fail(f"hung: {why}\n{''.join(lines)[-3000:]}")
+        time.sleep(0.2)  # polling the process: how often the bounds are checked
+    reader.join(timeout=10)
+    return "".join(lines)
 
 
 def run(cmd, *, timeout, check=True, env=None, **kwargs):
