@@ -137,16 +137,18 @@ def test_the_breakdown_counts_overlapping_spans_once_and_their_overlap():
 
 
 # ---- the benchmark's comparisons (make bench-gpt) ----------------------------------------------------------
-COMPARISONS = [("--shards", "shards", "in_memory"), ("--metrics", "metrics_on", "metrics_off")]
+COMPARISONS = [("--shards", "shards", "in_memory", 0.98), ("--metrics", "metrics_on", "metrics_off", 0.99)]
 
 
-@pytest.mark.parametrize("flag, variant, baseline", COMPARISONS)
-def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(tmp_path, cache, flag, variant, baseline):
+@pytest.mark.parametrize("flag, variant, baseline, goal", COMPARISONS)
+def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(
+    tmp_path, cache, flag, variant, baseline, goal
+):  # noqa: E501
     cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "out.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=900)
-    printed = re.search(rf"ratio {variant}/{baseline} \(goal >= 0.98\) ([0-9.]+)", proc.stdout)
+    printed = re.search(rf"ratio {variant}/{baseline} \(goal >= {goal}\) ([0-9.]+)", proc.stdout)
     report = json.loads((tmp_path / "out.json").read_text())
     (base,), (other,) = report["tokens_per_s"][baseline], report["tokens_per_s"][variant]
     assert float(printed.group(1)) == pytest.approx(other / base, abs=1e-3), proc.stdout

@@ -34,14 +34,14 @@ class ParallelBlock(nn.Module):
         self.attn = model.CausalSelfAttention(cfg)
         self.mlp = SquaredReLU(cfg)
         # a buffer (as a rotary table or a mask is): built on the meta device, it holds no value there
-        self.register_buffer("half", torch.full((cfg.n_embd,), 0.5), persistent=False)
+        self.register_buffer("one_half", torch.full((cfg.n_embd,), 0.5), persistent=False)
 
     def init_buffers(self):  # what the trainer calls once the buffer has storage
-        self.half.fill_(0.5)
+        self.one_half.fill_(0.5)
 
     def forward(self, x):
         h = self.ln1(x)
-        return x * (2 * self.half) + self.attn(h) + self.mlp(h)
+        return x * (2 * self.one_half) + self.attn(h) + self.mlp(h)
 
 
 class OwnModel(model.GPT):
