@@ -107,6 +107,26 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
         assert not torch.allclose(out[:, t], base[:, t]), "the changed position itself must change"
 
 
+def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_samples():
+    """50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
+    rows get no gradient and are never sampled. Mutation: the head's bias left at zero (the padding scored
+    like any token): the loss differs and this fails."""
+    model_mod = import_gpt_module("model")
+    cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    assert cfg.padded_vocab == 64 and model_mod.GPTConfig(vocab_size=50257).padded_vocab == 50304
+    model = model_mod.GPT(cfg)
+    model.init_weights(seed=0)
+    assert not model.head.bias.requires_grad
+    idx = torch.randint(50, (3, 16), generator=torch.Generator().manual_seed(0))
+    logits, loss = model(idx[:, :-1], idx[:, 1:])
+    real = torch.nn.functional.cross_entropy(logits[..., :50].reshape(-1, 50), idx[:, 1:].reshape(-1))
+    assert abs(loss.item() - real.item()) < 1e-6, (loss.item(), real.item())
+    loss.backward()
+    assert model.tok_emb.weight.grad[50:].abs().max().item() == 0.0
+    out = model.generate(idx[:, :1], 200, temperature=3.0, generator=torch.Generator().manual_seed(1))
+    assert out.max().item() < 50
+
+
 # ---- DDP, accumulation, metrics -----------------------------------------------------------------------
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 RUN = ["--max_steps", 60, "--save_every", 10, "--metrics_path", "m.jsonl", "--grad_clip", 0]

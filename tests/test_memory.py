@@ -36,11 +36,13 @@ def test_the_report_of_ddp_on_2_ranks_equals_a_direct_count(tmp_path, corpus):
     proc = run([*cmd, "--", "--data", corpus, *TINY], timeout=300, cwd=tmp_path)
     params = gpt_parameter_tensors(len(set(corpus.read_text())))
     count = sum(p.numel() for p in params)
+    trained = [p for p in params if p.requires_grad]  # not the head's frozen padding bias
     expected = {
         "params": count,
         "params_bytes": 4 * count,  # float32
-        "grads_bytes": 4 * count,
-        "optimizer_bytes": 2 * 4 * count + 4 * len(params),  # AdamW: two moments and a float32 step each
+        "grads_bytes": 4 * sum(p.numel() for p in trained),
+        # AdamW: two moments and a float32 step each
+        "optimizer_bytes": 2 * 4 * sum(p.numel() for p in trained) + 4 * len(trained),
     }
     report = json.loads((out / "memory.json").read_text())
     assert (report["ranks"], report["device"]) == (2, "cpu")

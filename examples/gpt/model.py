@@ -22,6 +22,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # in the linear layers and layer norms
 
+    @property
+    def padded_vocab(self):
+        """The embedding's rows and the head's outputs: the vocabulary rounded up to a multiple of 64, the
+        matrix shapes GPUs multiply fastest (GPT-2's 50257 -> 50304). The rows past the vocabulary are
+        never read in, and the head's frozen bias (padding_bias) keeps them out of the loss and samples."""
+        return -(-self.vocab_size // 64) * 64
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
@@ -101,14 +108,16 @@ class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
         # by name, "0" to "n_layer - 1": a pipeline stage keeps some of them under their own names
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=cfg.padded_vocab > cfg.vocab_size)
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
+        if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
+            self.head.bias.requires_grad_(False)
         # no initialisation here: the model is usually built on the meta device, and each process then
         # fills in its own part of every parameter (parallel.materialise, with initial_value below)
 
@@ -164,6 +173,8 @@ def initial_value(name, shape, cfg, seed):
     a process that holds a part of it takes that part, so every layout starts from the same weights as one
     process, and none builds more than one whole parameter at a time. As GPT-2: normal(0, 0.02) matrices
     and embeddings, the projections into the residual stream smaller by depth, zero biases, unit norms."""
+    if name == "head.bias":
+        return padding_bias(shape, cfg)
     if name.endswith("bias"):
         return torch.zeros(shape)
     if ".ln" in name or name.startswith("ln_"):
@@ -171,6 +182,16 @@ def initial_value(name, shape, cfg, seed):
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(key))
+
+
+# A padded row's score: its probability exp(-10000 - max) is 0 in float32, so the loss and the samples
+# see the vocabulary only, and a padded row's gradient is 0. Finite, and exact in bf16 and fp16.
+PADDING_SCORE = -1e4
+
+
+def padding_bias(shape, cfg):
+    """The head's bias: 0 for the vocabulary's outputs, PADDING_SCORE for the padding's."""
+    return torch.where(torch.arange(shape[0]) < cfg.vocab_size, 0.0, PADDING_SCORE)
 
 
 def init_buffers(model):
@@ -211,6 +232,8 @@ def optimizer_groups(model, weight_decay):
     """AdamW groups: weight decay on the matrices of linear layers; none on biases, norms and embeddings."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():  # by name: a pipeline stage may hold the head alone
+        if not param.requires_grad:  # the head's padding bias
+            continue
         embedding = name.split(".")[0] in ("tok_emb", "pos_emb", "head")  # the head is the token embedding
         (decay if param.dim() >= 2 and not embedding else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

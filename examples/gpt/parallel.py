@@ -402,7 +402,7 @@ class Pipeline(Parallel):
         """The last position's logits (batch, 1, vocab), sent from the last stage to every stage."""
         idx, at = self.padded(idx)
         out = self._forward(idx, idx.shape)
-        last = torch.empty(idx.shape[0], 1, self.module.cfg.vocab_size, device=idx.device)
+        last = torch.empty(idx.shape[0], 1, self.module.cfg.padded_vocab, device=idx.device)
         if out is not None:
             last.copy_(whole(out[:, at : at + 1]).float())
         dist.broadcast(last, self.ranks[-1], group=self.group)

@@ -97,4 +97,5 @@ def snapshot_config(args, corpus):
     del cfg["dropout"]  # may change between runs
     cfg["tokenizer_sha256"] = corpus.digest
     cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
+    cfg["padded_vocab"] = model_config(args, corpus.vocab_size).padded_vocab  # (before: not padded)
     return cfg
