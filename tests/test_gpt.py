@@ -187,7 +187,7 @@ def test_the_gradient_norm_of_step_1_is_the_plain_models_own(tmp_path, cache):
     parallel.materialise(model, torch.device("cpu"), a.seed)
     offsets = data.step_offsets(a.seed, 0, 16, len(corpus.train), a.block_size)
     model(*data.gather(corpus.train, offsets, a.block_size))[1].backward()
-    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
+    norm = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm().item()
     print(f"step 1's gradient norm: logged {logged:.6g}, the plain model's {norm:.6g}")
     assert logged == pytest.approx(norm, rel=1e-4)
 
@@ -637,7 +637,8 @@ def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_pat
     tensors = [*newest["model"].values()]
     tensors += [t for state in newest["optimizer"]["state"].values() for t in state.values()]
     assert all(t.isfinite().all() for t in tensors)
-    assert max(t.abs().max().item() for t in newest["model"].values()) < 100
+    # (the head's frozen bias scores the padded vocabulary -10000 by design)
+    assert max(t.abs().max().item() for k, t in newest["model"].items() if k != "head.bias") < 100
     # the default --keep 2: the two newest step directories
     assert len([d for d in (tmp_path / "gpt_snapshot").iterdir() if d.is_dir()]) == min(2, newest["step"] - 9)
     resumed = train(tmp_path, cache, "--max_steps", newest["step"] + 5, "--metrics_path", "m.jsonl")

@@ -143,7 +143,7 @@ COMPARISONS = [("--shards", "shards", "in_memory", 0.98), ("--metrics", "metrics
 @pytest.mark.parametrize("flag, variant, baseline, goal", COMPARISONS)
 def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(
     tmp_path, cache, flag, variant, baseline, goal
-):  # noqa: E501
+):
     cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "out.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
