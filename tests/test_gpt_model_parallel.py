@@ -48,10 +48,10 @@ def one(tmp_path_factory, cache):  # noqa: F811
 def assert_matches_one_process(cwd, out, one):
     mine, ref = saved(cwd), saved(one[0])
     assert mine["step"] == 40 and mine["model"].keys() == ref["model"].keys()
-    # float summation order, amplified by Adam: 1e-6 to 3e-6 measured after 40 steps
+    # float summation order, amplified by Adam: 1.8e-6 to 4.9e-6 measured after 40 steps (2026-11-26)
     diff = max_diff(mine["model"], ref["model"])
     print(f"max parameter difference from one process after 40 steps: {diff:.3g}")
-    assert diff < 1e-4
+    assert diff < 1e-5
     assert_close(mine, ref)  # and the optimizer state as one process holds it, whoever held which part
     val = {int(s): float(v) for s, v in VAL_RE.findall(out)}
     ref_val = {int(s): float(v) for s, v in VAL_RE.findall(one[1])}
