@@ -87,9 +87,29 @@ two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
   else status=$$?; $$c down; exit $$status; fi
 # (the Docker targets follow the steps below)
 
-help: ## list the targets
-	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
-	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS) VENV=$(VENV)"
+# `make help`: the targets by group, in this order ("Name:" opens a group, "_" is a space), each description
+# wrapped within 100 characters, the make variables in it expanded. A target with "## " that no group names
+# is listed last, under "Other", so that none is hidden (tests/test_structure.py checks that none is).
+HELP_GROUPS := Lessons: env single_gpu multigpu dataparallel torchrun multinode accelerate ray torchft \
+  diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
+  two-node-cpu two-node-accelerate two-node-down two-node-failover two-node-torchft Engines: slurm-cluster \
+  slurm-submit slurm-status slurm-down k8s-check Diagnostics: doctor pitfalls why-hung fault-demo \
+  Benchmarks: bench bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick lint \
+  pins clean distclean help
+HELP_AWK := BEGIN { n = split(groups, w, " "); for (i = 1; i <= n; i++) if (w[i] ~ /:$$/) { g = w[i]; \
+  gsub("_", " ", g); order[++k] = g } else { of[w[i]] = g; rank[w[i]] = i } } \
+  { d[$$1] = $$2; if (!($$1 in of)) { of[$$1] = "Other:"; rank[$$1] = 1000 + NR; order[k + 1] = "Other:" } } \
+  END { for (j = 1; j <= k + 1; j++) { if (!(j in order)) continue; print order[j]; \
+  for (r = 1; r <= 2000; r++) for (t in d) if (of[t] == order[j] && rank[t] == r) wrap(t, d[t]) } } \
+  function wrap(t, text, line, m, i, word) { line = sprintf("  make %-20s", t); m = split(text, word, " "); \
+  for (i = 1; i <= m; i++) { if (length(line) + 1 + length(word[i]) > 100) { print line; \
+  line = sprintf("%27s", "") } line = line " " word[i] } print line }
+
+help: ## list the targets, by group
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(VENV)|$(VENV)|g' \
+	  -e 's|$$(GPT_DATA)|$(GPT_DATA)|g' | awk -F':.*## ' -v groups='$(HELP_GROUPS)' '$(HELP_AWK)'
+	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS)"
+	@echo "    VENV=$(VENV) GPUS=$(GPUS)"
 
 env: $(ENV) ## create the pinned Python environment in $(VENV): every group of requirements.txt
 

@@ -109,3 +109,21 @@ def test_lessons_teach_only_the_lesson(name):
     later = set(re.findall(r"^[ \t]+(?:from|import) (\w+)", text, re.M))
     # torchvision only when the vision workload is chosen; ray in its driver, after its log setting
     assert later <= {"torchvision", "ray"}
+
+
+def test_make_help_lists_every_target_once_by_group_within_100_characters():
+    """`make help`: the lessons first, then the GPT, Docker, the engines, diagnostics, benchmarks, tests;
+    every target the Makefile describes ("## ") once, none under "Other:"; no line over 100 characters and
+    no unexpanded make variable. Mutation: a new described target left out of HELP_GROUPS: it appears
+    under "Other:" and this fails."""
+    repo = EXAMPLES.parent
+    out = subprocess.run(["make", "-s", "help"], cwd=repo, capture_output=True, text=True, check=True).stdout
+    lines = out.rstrip("\n").split("\n")
+    groups = [line for line in lines if not line.startswith(" ")]
+    expected = ["Lessons:", "GPT:", "Docker:", "Engines:", "Diagnostics:", "Benchmarks:", "Tests and upkeep:"]
+    assert groups == expected, groups
+    described = re.findall(r"^([a-zA-Z0-9_-]+):.*## ", (repo / "Makefile").read_text(), re.M)
+    listed = re.findall(r"^  make (\S+)", out, re.M)
+    assert sorted(listed) == sorted(described) and len(set(listed)) == len(listed), (listed, described)
+    assert all(len(line) <= 100 for line in lines), [line for line in lines if len(line) > 100]
+    assert "$(" not in out, out
