@@ -45,6 +45,22 @@ import torch.distributed as dist
 BUFFER = "2000"  # flight-recorder entries kept per process (a ring: the newest ones)
 POLL = 0.5  # seconds between two looks at the store's dump key
 WAIT = 10.0  # seconds that the process which timed out waits for the others' dumps
+# How gloo fails a collective whose connection another process closed, having timed out first (or died)
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "timeout caused pair closure")
+
+
+def cause(exc):
+    """Whether an error out of a collective is a hang, as gloo and NCCL say it: "timed out" (this process
+    waited past --dist_timeout), "lost" (gloo: another process, which timed out first or died, closed the
+    connection), or None (another error, not a hang)."""
+    text = str(exc).lower()
+    if "timed out" in text:
+        return "timed out"
+    if any(words in text for words in PEER_GONE):
+        return "lost"
+    return None
+
+
 _lock = threading.Lock()  # one writer of this process's files at a time (the main thread, the watcher)
 _armed = {}  # store, stop event, abort file: set by arm()
 _written = threading.Event()  # this process has dumped
@@ -150,7 +166,7 @@ def dump(folder, rank, world, exc=None, wait=WAIT):
     if stop is not None:
         stop.set()
     message = " ".join(str(exc).split("] ", 1)[-1].split()).split(". ")[0] if exc is not None else ""
-    state = "timed out" if exc is None or "timed out" in message.lower() else "failed"  # gloo's path cut
+    state = "timed out" if exc is None or cause(exc) == "timed out" else "failed"  # gloo's path cut
     why = f"{state}: {message}" if message else state
     _write(folder, rank, world, why, exc)
     waiting = set(range(world)) - {rank}

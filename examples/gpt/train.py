@@ -27,9 +27,6 @@ from config import fail, parse_args
 from snapshots import all_ranks, snapshot_config
 from trainer import Trainer, setup_processes
 
-# How gloo fails a collective whose connection another process closed, having timed out first (or died)
-PEER_GONE = ("connection closed by peer", "connection reset by peer", "timeout caused pair closure")
-
 
 def main():
     parser, args = parse_args()
@@ -92,20 +89,19 @@ def timed_out(args, rank, world, exc):
     that process timed out first or died): this process's stack and flight recorder, and every other live
     process's, into SNAPSHOT_PATH/hang (hang.py), then a one-line error naming the report. Any other error
     is raised."""
-    text = str(exc).lower()
-    lost = any(words in text for words in PEER_GONE)
-    if "timed out" not in text and not lost:
+    why = hang.cause(exc)
+    if why is None:
         raise exc
     silent = hang.dump(args.snapshot_path, rank, world, exc)
     detail = str(exc).strip().splitlines()[0]
     dumped = f"all but processes {silent}" if silent else "every process"
-    why = (
+    said = (
         "lost its connection to another process, which gave up first or died"
-        if lost
+        if why == "lost"
         else f"waited more than --dist_timeout {args.dist_timeout:g} s for the others, which stalled or died"
     )
     where = f"{args.snapshot_path}/hang: make why-hung RUN={args.snapshot_path} says which waits where"
-    sys.exit(f"error: process {rank} {why} ({detail}); {dumped} wrote its stack to {where}")
+    sys.exit(f"error: process {rank} {said} ({detail}); {dumped} wrote its stack to {where}")
 
 
 if __name__ == "__main__":
