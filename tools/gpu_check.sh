@@ -8,11 +8,11 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/gpu-check}
 DATA=${DATA:-runs/gpt-data}
-mkdir -p "$OUT"
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu-check: torch sees no CUDA GPU here: nothing to check" >&2
   exit 2
 fi
+mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpus.txt"
 
