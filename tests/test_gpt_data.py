@@ -264,7 +264,10 @@ def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
         model = model_mod.GPT(snapshots.model_config(args, data.GPT2_VOCAB))
     cfg = model.cfg
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
-    assert round(model_mod.parameter_count(model, non_embedding=False) / 1e6, 2) == 124.44
+    count = model_mod.parameter_count(model, non_embedding=False)
+    # GPT-2 small's 124.44M, and the padding: 47 more embedding rows and the head's frozen bias
+    padding = (cfg.padded_vocab - cfg.vocab_size) * cfg.n_embd + cfg.padded_vocab
+    assert cfg.padded_vocab == 50304 and round((count - padding) / 1e6, 2) == 124.44, count
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------
