@@ -40,8 +40,6 @@ def read(pending):
     """[(step, mean loss, gradient norm, loss finite, norms finite, stop asked)] for pending, a list of
     (step, verdict): one read of the device for all of them. The norm reported is this process's where
     every process's is finite, else their non-finite sum."""
-    if not pending:
-        return []
     rows = torch.stack([values for _, values in pending]).tolist()
     out = []
     for (step, _), (loss, norm, norms, stops) in zip(pending, rows, strict=True):

@@ -185,7 +185,7 @@ def initial_value(name, shape, cfg, seed):
 
 
 # A padded row's score: its probability exp(-10000 - max) is 0 in float32, so the loss and the samples
-# see the vocabulary only, and a padded row's gradient is 0. Finite, and exact in bf16 and fp16.
+# see the vocabulary only, and a padded row's gradient is 0. Finite, and within fp16's and bf16's range.
 PADDING_SCORE = -1e4
 
 

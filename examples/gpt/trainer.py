@@ -226,10 +226,11 @@ class Trainer:
                 profiler.at_step(self.step + 1)
             # what a snapshot taken before this step's update holds
             rng = snapshots.rng_state(self.device)
-            meter.active = self.reads(self.step + 1)
+            reads = due or self.reads(self.step + 1)
+            meter.active = reads
             verdict = self.train_step(bool(stop))
             pending.append((self.step + 1, verdict))
-            if due or self.reads(self.step + 1):
+            if reads:
                 norm, loss_ok, stopping = self.check(pending, losses)
                 pending = []
                 if loss_ok and (due or stopping):
