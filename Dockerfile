@@ -47,7 +47,7 @@ RUN /tmp/pins/install-pins.sh runtime \
 
 WORKDIR /app
 COPY examples/ /app/examples/
-COPY tools/doctor.py tools/launch.py tools/why_hung.py docker/ray-node.sh /app/tools/
+COPY tools/ docker/ray-node.sh /app/tools/
 RUN python -m compileall -q /app/examples /app/tools
 
 USER ${USER_NAME}

@@ -30,8 +30,8 @@ PY := $(VENV)/bin/python
 TORCHRUN := $(PY) -m torch.distributed.run
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
-# $(call step,EXAMPLE): start a step as tools/steps.py builds it (the tests and the bench use it too)
-step = mkdir -p $(RUNS)/$@ && $(PYTHON3) tools/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
+# $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too)
+step = mkdir -p $(RUNS)/$@ && $(PYTHON3) harness/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
   $(if $(RDZV_PORT),--port $(RDZV_PORT)) --python '$(PY)' -- $(TRAIN_ARGS)
 STEPS := single_gpu multigpu multigpu_torchrun multinode
 # $(call retry,COMMAND): up to three tries, for downloads through a flaky network.
@@ -178,12 +178,12 @@ tensorboard: $(ENV) ## TensorBoard on localhost:6006 (TB_PORT) for every run und
 	$(PY) -m tensorboard.main --logdir $(RUNS) --host 127.0.0.1 --port $(TB_PORT) --load_fast false
 
 bench-gpt: $(ENV) ## GPT tokens/s: 2 DDP CPU processes vs one 2-thread process; shards vs in memory; metrics on vs off
-	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
-	$(PY) tools/bench_gpt.py --shards --out $(BENCH_OUT)/gpt-shards.json $(GPT_BENCH_ARGS)
-	$(PY) tools/bench_gpt.py --metrics --out $(BENCH_OUT)/gpt-metrics.json $(GPT_BENCH_ARGS)
+	$(PY) benchmarks/gpt_throughput.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+	$(PY) benchmarks/gpt_throughput.py --shards --out $(BENCH_OUT)/gpt-shards.json $(GPT_BENCH_ARGS)
+	$(PY) benchmarks/gpt_throughput.py --metrics --out $(BENCH_OUT)/gpt-metrics.json $(GPT_BENCH_ARGS)
 
 memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for each layout, 1-D and 2-D
-	$(PY) tools/memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)
+	$(PY) benchmarks/gpt_memory.py --out $(BENCH_OUT) $(MEMORY_ARGS)
 # ==== end GPT ============================================================================================
 
 # ---- Docker and two nodes (variables above) ----
@@ -197,14 +197,14 @@ image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... repl
 image-ray: ## the image plus Ray, for compose/ray.yaml (RAY_IMAGE=ddp-examples-ray:latest)
 	docker build --target ray $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(RAY_IMAGE) .
 
-# What the image is built from (the files .dockerignore lets in, and the Dockerfile), as one checksum that
-# `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the image is missing,
+# What the image is built from (the Dockerfile, .dockerignore and the files its ! lines let in), as one
+# checksum that `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the image is missing,
 # was built from other files, or from another BASE_IMAGE than one given; otherwise they run the image as
 # `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a machine without
 # a registry that built on local/ddp-base:bookworm keeps building on it.
-IMAGE_SUM = $(shell find Dockerfile .dockerignore requirements.txt examples tools/doctor.py tools/launch.py \
-  tools/pins.py docker/install-pins.sh docker/ray-node.sh -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort | xargs sha256sum \
-  | sha256sum | cut -c1-16)
+IMAGE_INPUTS = Dockerfile .dockerignore $(shell sed -n 's/^!//p' .dockerignore)
+IMAGE_FILES = $(shell find $(IMAGE_INPUTS) -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort)
+IMAGE_SUM = $(shell sha256sum $(IMAGE_FILES) | sha256sum | cut -c1-16)
 image-current: ## build the image only when it is missing or out of date (the two-node targets use this)
 	@labels=$$(docker image inspect -f '{{index .Config.Labels "ddp.inputs"}} {{index .Config.Labels "ddp.base"}}' \
 	  $(IMAGE) 2>/dev/null); sum=$${labels% *}; base=$${labels#* }; base=$${base#<no value>}; \
@@ -232,27 +232,27 @@ two-node-accelerate: image-current ## the accelerate example across two containe
 two-node-down: ## remove the two-node containers, network and snapshot volume (= docker compose down --volumes)
 	$(COMPOSE) $(COMPOSE_CPU) --profile shaped down --volumes --remove-orphans
 
-# FAILOVER_ARGS: options of tools/two_node_failover.py, e.g. --crash (root) or --epochs 80 --project NAME
+# FAILOVER_ARGS: options of demos/two_node_failover.py, e.g. --crash (root) or --epochs 80 --project NAME
 FAILOVER_ARGS ?=
 two-node-failover: image-current ## two nodes, elastic: node1 killed after a snapshot and started again; an account
-	$(PYTHON3) tools/two_node_failover.py --image $(IMAGE) $(FAILOVER_ARGS)
+	$(PYTHON3) demos/two_node_failover.py --image $(IMAGE) $(FAILOVER_ARGS)
 
-# TORCHFT_ARGS: options of tools/two_node_torchft.py, e.g. --kill_epoch 10 --epochs 60 --port 29511
+# TORCHFT_ARGS: options of demos/two_node_torchft.py, e.g. --kill_epoch 10 --epochs 60 --port 29511
 TORCHFT_ARGS ?=
 two-node-torchft: image-current ## torchft replica groups in two containers: node1 killed, started again, healed live
-	$(PYTHON3) tools/two_node_torchft.py --image $(IMAGE) $(TORCHFT_ARGS)
+	$(PYTHON3) demos/two_node_torchft.py --image $(IMAGE) $(TORCHFT_ARGS)
 
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
 	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
 
 fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
-	$(PY) tools/fault_demo.py --dir $(RUNS)/fault-demo
+	$(PY) demos/fault.py --dir $(RUNS)/fault-demo
 
 torchft: $(ENV) ## step 3 with torchft: a lighthouse and two replica groups here; FT_ARGS=--kill kills one mid-run
-	$(PY) tools/torchft_demo.py --dir $(RUNS)/torchft $(FT_ARGS)
+	$(PY) demos/torchft_groups.py --dir $(RUNS)/torchft $(FT_ARGS)
 
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
-	$(PY) tools/pitfalls.py
+	$(PY) demos/pitfalls.py
 
 # RUN: the folder whose hang/ holds the dumps that a timeout left (examples/gpt/hang.py, docs/troubleshooting.md)
 RUN ?=
@@ -260,26 +260,26 @@ RUN ?=
 why-hung: $(ENV) ## which process hangs where, from the dumps of a timeout in RUN/hang: make why-hung RUN=FOLDER
 	$(PY) tools/why_hung.py $(RUN)
 
-# ==== Benchmarks: tools/bench.py (every launcher side by side) and tools/allreduce_bench.py ============
-# make bench BENCH_ARGS=--full        longer runs; any option of tools/bench.py goes in BENCH_ARGS
+# ==== Benchmarks: benchmarks/lessons.py (every launcher side by side) and benchmarks/allreduce.py ============
+# make bench BENCH_ARGS=--full        longer runs; any option of benchmarks/lessons.py goes in BENCH_ARGS
 # make bench-allreduce ALLREDUCE_ARGS="--max_bytes 16M"
 BENCH_ARGS ?=
 ALLREDUCE_ARGS ?=
 BENCH_OUT ?= bench-results
 
 bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 process, each strategy vs ddp)
-	$(PY) tools/bench.py --out $(BENCH_OUT) $(BENCH_ARGS)
-	$(PY) tools/bench_gpt.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
-	$(PY) tools/bench_gpt.py --strategies --rounds 2 --steps 40 --out $(BENCH_OUT)/gpt-strategies.json $(GPT_BENCH_ARGS)
+	$(PY) benchmarks/lessons.py --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) benchmarks/gpt_throughput.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
+	$(PY) benchmarks/gpt_throughput.py --strategies --rounds 2 --steps 40 --out $(BENCH_OUT)/gpt-strategies.json $(GPT_BENCH_ARGS)
 
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
-	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) tools/allreduce_bench.py \
+	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) benchmarks/allreduce.py \
 	  --out $(BENCH_OUT)/allreduce-$(NPROC).json $(ALLREDUCE_ARGS)
 # ==== end benchmarks =====================================================================================
 
 
 gpu-check: $(ENV) ## on a GPU machine: the GPU tests, then GPT-2 small bf16 eager and compiled (about 6 min)
-	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) tools/gpu_check.sh
+	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) harness/gpu_check.sh
 
 test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-quick)
 	$(PY) -m pytest $(TEST_ARGS)
@@ -293,11 +293,11 @@ lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff format --check .
 	git ls-files -z '*.sh' .ci/run | xargs -0 $(VENV)/bin/shellcheck
 	git ls-files -z 'Dockerfile' '*/Dockerfile' | xargs -0 -r $(VENV)/bin/hadolint
-	$(PY) tools/k8s_check.py
+	$(PY) harness/k8s_check.py
 
 # K8S_CRD_DIR: the Kubeflow Trainer CRDs (default: shared/k8s beside the repository); docs/kubernetes.md
 k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes schemas, the TrainJob CRD
-	$(PY) tools/k8s_check.py
+	$(PY) harness/k8s_check.py
 
 pins: $(ENV) ## re-resolve requirements.txt, its groups runtime, ray and dev, from tools/requirements.in
 	$(PY) tools/pins.py compile --uv $(VENV)/bin/uv
@@ -309,9 +309,9 @@ distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)
 
 # ---- Slurm -------------------------------------------------------------------------------------------------
-# A two-node Slurm cluster on this machine (tools/slurm-cluster.sh: root, with slurm-wlm and munge installed),
+# A two-node Slurm cluster on this machine (harness/slurm_cluster.sh: root, with slurm-wlm and munge installed),
 # and the batch job examples/slurm/sbatch_run.sh submitted to it. On a real cluster, use sbatch directly.
-SLURM_CLUSTER := tools/slurm-cluster.sh
+SLURM_CLUSTER := harness/slurm_cluster.sh
 # sbatch options for slurm-submit: the local nodes have 2 CPUs each, so 2 training processes per node.
 SBATCH_ARGS ?= --cpus-per-task=2 --time=00:10:00
 .PHONY: slurm-cluster slurm-submit slurm-status slurm-down

@@ -1,7 +1,7 @@
 """All-reduce bandwidth per message size, next to a copy in memory on the same machine.
 
-    torchrun --standalone --nproc-per-node=2 tools/allreduce_bench.py            # gloo on CPUs, NCCL on GPUs
-    torchrun --standalone --nproc-per-node=2 tools/allreduce_bench.py --max_bytes 1M --iter_bytes 64M
+    torchrun --standalone --nproc-per-node=2 benchmarks/allreduce.py            # gloo on CPUs, NCCL on GPUs
+    torchrun --standalone --nproc-per-node=2 benchmarks/allreduce.py --max_bytes 1M --iter_bytes 64M
 
 For each size (float32 messages, doubling from --min_bytes to --max_bytes) every rank times --iters
 all-reduces after --warmup ones; the slowest rank's mean time counts. Reported as
@@ -132,7 +132,7 @@ def main():
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         parser.error(
-            "start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 tools/allreduce_bench.py"
+            "start me with torchrun, e.g. torchrun --standalone --nproc-per-node=2 benchmarks/allreduce.py"
         )
     if not 0 < args.min_bytes <= args.max_bytes:
         parser.error("need 0 < --min_bytes <= --max_bytes")

@@ -1,7 +1,8 @@
 """Memory per rank of the GPT trainer under every layout, next to what each should hold.
 
-    python tools/memory.py                                   # every layout on 4 processes, a few steps each
-    python tools/memory.py --ranks 2 --strategies ddp fsdp --steps 3 -- --n_layer 2   # after --: train.py's
+    python benchmarks/gpt_memory.py              # every layout on 4 processes, a few steps each
+    python benchmarks/gpt_memory.py --ranks 2 --strategies ddp fsdp --steps 3 -- --n_layer 2
+                                                 # after --: train.py's options
 
 The layouts: each --parallel strategy (all processes along one mesh dimension), fsdp with 4 micro-batches
 a step (ACCUMULATION: its gradients are counted after every micro-batch's backward, where they peak) and,
@@ -20,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_gpt import TrainingFailed, run_training, strategies
+from gpt_throughput import TrainingFailed, run_training, strategies
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["params_bytes", "grads_bytes", "optimizer_bytes"]

@@ -1,17 +1,17 @@
 """Throughput of the GPT trainer: 2 DDP processes of 1 thread against one process of 2 threads, at the same
 global batch, interleaved over rounds in rotating order. Prints tokens/s of each and their ratio.
 
-    python tools/bench_gpt.py                      # the cpu preset, 3 rounds
-    python tools/bench_gpt.py --rounds 5 --steps 100 --out bench-results/gpt.json
-    python tools/bench_gpt.py -- --n_layer 2 --n_embd 32 --block_size 32    # options for train.py
-    python tools/bench_gpt.py --strategies         # every --parallel strategy on 2 CPU ranks, vs ddp
-    python tools/bench_gpt.py --strategies ddp zero
-    python tools/bench_gpt.py --shards             # batches read from memory-mapped shards vs --in_memory
-    python tools/bench_gpt.py --metrics            # TensorBoard and per-process times on vs JSON lines alone
+    python benchmarks/gpt_throughput.py                      # the cpu preset, 3 rounds
+    python benchmarks/gpt_throughput.py --rounds 5 --steps 100 --out bench-results/gpt.json
+    python benchmarks/gpt_throughput.py -- --n_layer 2 --n_embd 32 --block_size 32    # options for train.py
+    python benchmarks/gpt_throughput.py --strategies  # every --parallel strategy on 2 CPU ranks, vs ddp
+    python benchmarks/gpt_throughput.py --strategies ddp zero
+    python benchmarks/gpt_throughput.py --shards  # batches read from memory-mapped shards vs --in_memory
+    python benchmarks/gpt_throughput.py --metrics  # TensorBoard and per-process times on vs JSON lines alone
 
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
-tools/memory.py starts its trainings through run_training() below.
+benchmarks/gpt_memory.py starts its trainings through run_training() below.
 """
 
 import argparse

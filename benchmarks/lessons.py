@@ -1,14 +1,14 @@
 """Measure the examples side by side: every launcher on the same workloads, interleaved and repeated.
 
-    python tools/bench.py                      # quick: a few minutes on 2 cores (what `make bench` runs)
-    python tools/bench.py --full               # longer epochs, more samples, more repeats
-    python tools/bench.py --workloads tiny --repeats 5 --variants plain tutorial
+    python benchmarks/lessons.py  # quick: a few minutes on 2 cores (what `make bench` runs)
+    python benchmarks/lessons.py --full               # longer epochs, more samples, more repeats
+    python benchmarks/lessons.py --workloads tiny --repeats 5 --variants plain tutorial
 
 Every variant but the tutorial's trains the same model from the same seed with the same global batch, so
-their loss curves should coincide; `tutorial` (tools/tutorial_loop.py, tiny workload only) is the upstream
-tutorial's loop on its own random data, the baseline of plain/tutorial, and `tutorial_mse` the same loop with
-the lessons' loss, for a like-for-like plain/tutorial_mse. Throughput leaves out the first
-(warm-up) epoch. Rounds run every variant once, in an order rotated from round to round; each ratio is taken
+their loss curves should coincide; `tutorial` (benchmarks/tutorial_loop.py, tiny workload only) is the
+upstream tutorial's loop on its own random data, the baseline of plain/tutorial, and `tutorial_mse` the same
+loop with the lessons' loss, for a like-for-like plain/tutorial_mse. Throughput leaves out the first (warm-up)
+epoch. Rounds run every variant once, in an order rotated from round to round; each ratio is taken
 within a round and then averaged, so drift in the load of a shared machine falls on both sides of it. Prints
 the tables and writes, under --out, bench.json (everything), table.md (the tables), loss.png (loss curves
 overlaid) and throughput.png (samples/s with error bars).
@@ -29,8 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import steps  # noqa: E402  (tools/steps.py: how each step is started)
+sys.path.insert(0, str(REPO / "harness"))
+import steps  # noqa: E402  (harness/steps.py: how each step is started)
 
 QUICK = {"epochs": 3, "repeats": 2, "tiny_size": 8192, "vision_size": 768, "global_batch": 32}
 FULL = {**QUICK, "epochs": 5, "repeats": 5, "tiny_size": 65536, "vision_size": 2048}
@@ -38,7 +38,7 @@ FULL = {**QUICK, "epochs": 5, "repeats": 5, "tiny_size": 65536, "vision_size": 2
 
 @dataclass
 class Variant:
-    """One way to run the training: which step of tools/steps.py, on how many processes in all."""
+    """One way to run the training: which step of harness/steps.py, on how many processes in all."""
 
     name: str
     step: str
@@ -58,7 +58,7 @@ class Variant:
 
 
 def make_variants(nproc, gpus=0):
-    tutorial = REPO / "tools" / "tutorial_loop.py"
+    tutorial = REPO / "benchmarks" / "tutorial_loop.py"
     variants = [
         Variant("plain", "single_gpu", 1, "single_gpu.py, one process, all cores"),
         Variant("tutorial", "single_gpu", 1, "the upstream tutorial's loop (tiny only)", tutorial),

@@ -1,7 +1,7 @@
 """Two-node throughput in containers on an unshaped link and on slower ones (compose profile "shaped").
 
-    python tools/link_bench.py                          # unshaped, 1gbit, 100mbit; vision, 256 samples, 1+1
-    python tools/link_bench.py --rates 1gbit 10mbit --workload tiny --nproc 2 --repeats 2
+    python benchmarks/link.py                          # unshaped, 1gbit, 100mbit; vision, 256 samples, 1+1
+    python benchmarks/link.py --rates 1gbit 10mbit --workload tiny --nproc 2 --repeats 2
 
 Runs the root compose.yaml once per link rate and repeat, in a rotated order, under a project name of its
 own (removed afterwards), with the image Compose would use (built first if missing); the nodes' command

@@ -1,7 +1,7 @@
 """A picture of the traces that train.py --profile_steps writes: for each process, the spans in compute and
 in collectives on one time axis, and the breakdown traces.py prints.
 
-    python tools/plot_trace.py runs/gpt/traces docs/images/trace-ddp.png
+    python benchmarks/plot_trace.py runs/gpt/traces docs/images/trace-ddp.png
 """
 
 import argparse

@@ -1,6 +1,6 @@
-"""The DDP tutorial's single-GPU training loop, as a baseline for tools/bench.py (the `tutorial` variant).
+"""The DDP tutorial's single-GPU training loop: benchmarks/lessons.py's baseline (its `tutorial` variant).
 
-    python tools/tutorial_loop.py 10 5 --batch_size 32 --metrics_path metrics.jsonl [--loss mse]
+    python benchmarks/tutorial_loop.py 10 5 --batch_size 32 --metrics_path metrics.jsonl [--loss mse]
 
 The work per step and per epoch is that of the upstream tutorial's single_gpu.py: random samples
 (torch.rand(20), torch.rand(1)) served by a Dataset subclass whose __getitem__ indexes a list (the

@@ -1,6 +1,6 @@
 """Run every script of examples/pitfalls broken, then with --fixed, and print one line each (make pitfalls).
 
-    python tools/pitfalls.py [--json FILE] [NAME ...]
+    python demos/pitfalls.py [--json FILE] [NAME ...]
 
 A pitfall passes when its broken run fails (non-zero) within LIMIT seconds with its last line naming the
 cause ("cause: ...") and its fixed run exits 0. Exit status: 0 if every pitfall passes, else 1.

@@ -27,9 +27,11 @@ import time
 from pathlib import Path
 
 import psutil
-from steps import free_port  # tools/steps.py, run as a script from tools/
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "harness"))
+from steps import free_port  # noqa: E402  (harness/steps.py)
+
 LESSON = REPO / "examples" / "multigpu_torchft.py"
 BIN = Path(sys.executable).parent
 EPOCH = re.compile(r"^epoch (\d+)/\d+ \| .* world_size (\d+)")

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from datetime import datetime
 
-from two_node_failover import REPO, Project, docker, wait_for
+from compose_project import REPO, Project, docker, wait_for
 
 WHO = "two-node torchft"
 FILES = ["-f", "compose/torchft.yaml"]

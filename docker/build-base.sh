@@ -21,7 +21,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-command -v debootstrap >/dev/null || "$(dirname "$0")/../tools/apt-install.sh" debootstrap
+command -v debootstrap >/dev/null || "$(dirname "$0")/../harness/apt_install.sh" debootstrap
 
 rootfs=$(mktemp -d /tmp/ddp-base.XXXXXX)
 trap 'rm -rf "$rootfs"' EXIT

@@ -25,7 +25,7 @@ missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v iptables >/dev/null || missing+=(iptables)
 if [ ${#missing[@]} -gt 0 ]; then
-  "$(dirname "$0")/../tools/apt-install.sh" "${missing[@]}"
+  "$(dirname "$0")/../harness/apt_install.sh" "${missing[@]}"
 fi
 
 if ! docker info >/dev/null 2>&1; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Debian/Ubuntu packages as root, retrying the whole download up to three times.
-#   tools/apt-install.sh PACKAGE...
+#   harness/apt_install.sh PACKAGE...
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 PACKAGE..." >&2; exit 2; }
 export DEBIAN_FRONTEND=noninteractive

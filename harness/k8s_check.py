@@ -1,7 +1,7 @@
 """Checks the Kubernetes manifests in k8s/ as strictly as a cluster would, without a cluster.
 
-    python tools/k8s_check.py              every kustomization under k8s/ (make k8s-check)
-    python tools/k8s_check.py --root DIR   every kustomization under DIR (the tests check altered copies)
+    python harness/k8s_check.py              every kustomization under k8s/ (make k8s-check)
+    python harness/k8s_check.py --root DIR   every kustomization under DIR (the tests check altered copies)
 
 Each kustomization is rendered with `kubectl kustomize`, offline, as `kubectl apply -k` renders it, and every
 object it yields is checked as the API server checks it under `kubectl apply`'s default --validate=strict:

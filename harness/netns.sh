@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Simulated hosts on one machine: a Linux bridge plus one network namespace per host.
-#   tools/netns.sh up   NAME SUBNET HOST...   e.g. up ddp 10.77.1 node0 node1
-#   tools/netns.sh down NAME HOST...
+#   harness/netns.sh up   NAME SUBNET HOST...   e.g. up ddp 10.77.1 node0 node1
+#   harness/netns.sh down NAME HOST...
 # The bridge NAME-br gets SUBNET.1 on this machine; HOST number i (from 0) is namespace NAME-HOST
 # with address SUBNET.(i+2)/24 on interface eth0, so a command run there sees a host much like a container.
 # /etc/netns/NAME-HOST/hosts maps every HOST name (and this machine's own name to loopback), and an empty

@@ -1,6 +1,6 @@
 """A Ray cluster on this machine for as long as one command runs: what `make ray` and the tests use.
 
-    python tools/ray_local.py --num-cpus 2 -- python examples/multigpu_ray.py 10 5 --nproc 2
+    python harness/ray_local.py --num-cpus 2 -- python examples/multigpu_ray.py 10 5 --nproc 2
 
 Starts a Ray head (`ray start --head --block`) on free ports with a folder of its own under the temporary
 directory, waits at most --timeout seconds for it, runs the command with RAY_ADDRESS set to the head, then

@@ -1,14 +1,15 @@
 """How each step of the tutorial is started: the one place that builds these commands.
 
-    python tools/steps.py single_gpu -- 10 5                # python examples/single_gpu.py 10 5
-    python tools/steps.py multinode --nproc 2 -- 10 5       # two local nodes of 2 processes each
-    python tools/steps.py multigpu --dry-run -- 10 5        # print the command(s) only
+    python harness/steps.py single_gpu -- 10 5                # python examples/single_gpu.py 10 5
+    python harness/steps.py multinode --nproc 2 -- 10 5       # two local nodes of 2 processes each
+    python harness/steps.py multigpu --dry-run -- 10 5        # print the command(s) only
 
-The Makefile, tools/bench.py and the tests start the examples through `command()`. Only the standard library
-is used, so that the host's python3 can start the steps inside a container too (--python "docker run ...
-python"). multinode runs two "nodes" on this machine, each a torchrun through tools/launch.py, meeting at a
-free localhost port; GPUs are split between them and each line of output is prefixed with [node0]/[node1].
-multigpu_ray runs on a Ray cluster of --nproc CPUs started for it and stopped after it (tools/ray_local.py).
+The Makefile, benchmarks/lessons.py and the tests start the examples through `command()`. Only the standard
+library is used, so that the host's python3 can start the steps inside a container too (--python
+"docker run ... python"). multinode runs two "nodes" on this machine, each a torchrun through tools/launch.py,
+meeting at a free localhost port; GPUs are split between them and each line of output is prefixed with
+[node0]/[node1].
+multigpu_ray runs on a Ray cluster of --nproc CPUs started for it and stopped after it (harness/ray_local.py).
 """
 
 import argparse
@@ -27,7 +28,7 @@ STEPS = {
     "multigpu_torchrun": "torchrun",
     "multinode": "nodes",
     "multigpu_accelerate": "torchrun",
-    "multigpu_ray": "ray",  # a Ray cluster on this machine for the run (tools/ray_local.py)
+    "multigpu_ray": "ray",  # a Ray cluster on this machine for the run (harness/ray_local.py)
 }
 # torchrun's rendezvous gives up after these seconds, not its defaults of 600 and 60, when a node never comes
 RDZV_CONF = "join_timeout=60,read_timeout=30"
@@ -57,7 +58,7 @@ def command(step, args=(), *, nproc=2, python=(sys.executable,), script=None, po
     if how == "spawn":
         return [[*python, script, *args, "--nproc", str(nproc)]]
     if how == "ray":  # the head offers nproc CPUs: room for nproc workers on the CPU
-        local = [*python, os.path.join(root, "tools", "ray_local.py"), f"--num-cpus={nproc}", "--"]
+        local = [*python, os.path.join(root, "harness", "ray_local.py"), f"--num-cpus={nproc}", "--"]
         return [[*local, *python, script, *args, "--nproc", str(nproc)]]
     procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":

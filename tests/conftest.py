@@ -23,8 +23,8 @@ import pytest_timeout
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import steps  # noqa: E402  (tools/steps.py: how each step is started, shared with the Makefile and the bench)
+sys.path[:0] = [str(REPO / "harness"), str(REPO / "benchmarks")]  # the tests import steps, lessons, k8s_check
+import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"
 # the lessons torchrun starts with several processes, which say a refusal once, in its closing summary
@@ -82,8 +82,8 @@ def assert_world(text, per_host):
 GPUS = torch.cuda.device_count()
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
 needs_gpu = pytest.mark.skipif(not GPUS, reason="no CUDA GPU visible to torch")
-# The one way a CPU test hides the GPUs, whatever the machine has: torch, the lessons, tools/steps.py and the
-# Makefile (its GPUS counts the devices CUDA_VISIBLE_DEVICES names when it is set) all honour it.
+# The one way a CPU test hides the GPUs, whatever the machine has: torch, the lessons, harness/steps.py and
+# the Makefile (its GPUS counts the devices CUDA_VISIBLE_DEVICES names when it is set) all honour it.
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 # This run of the suite, unique among runs on one machine: names of namespaces, images, Compose projects.

@@ -9,7 +9,7 @@ average 10 to 15 (a CI run beside it): this file 85 s of wall time and 22 s of C
 
 import json
 
-import bench  # tools/bench.py (conftest puts tools/ on sys.path)
+import lessons as bench  # benchmarks/lessons.py (conftest puts benchmarks/ on sys.path)
 import pytest
 from conftest import PYTHON, REPO, run
 
@@ -32,7 +32,7 @@ RUN = ["plain", "tutorial", "torchrun"]
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     tiny = ["--workloads", "tiny", "--repeats", "1", "--epochs", "2", "--tiny_size", "64", "--variants", *RUN]
-    proc = run([PYTHON, REPO / "tools" / "bench.py", "--out", out, *tiny], timeout=600)
+    proc = run([PYTHON, REPO / "benchmarks" / "lessons.py", "--out", out, *tiny], timeout=600)
     return out, proc.stdout, json.loads((out / "bench.json").read_text())
 
 

@@ -353,6 +353,33 @@ def test_build_context_is_an_allowlist():
     assert all(rule.startswith("!") or rule.startswith("**/") for rule in rules[1:]), rules
 
 
+def test_every_file_the_image_copies_marks_it_out_of_date(tmp_path):
+    """The Dockerfile copies only from .dockerignore's list, and IMAGE_SUM (the label `make image-current`
+    compares) hashes every file of that list: a file the image carries cannot change without the image being
+    out of date. Checked on a copy: every tracked file under a COPY source is hashed, and editing one changes
+    the sum."""
+    copies = re.findall(r"^COPY (?!--from)(.+)$", (REPO / "Dockerfile").read_text(), re.M)
+    sources = sorted({source.rstrip("/") for line in copies for source in line.split()[:-1]})
+    assert {"examples", "tools"} <= set(sources), sources
+    carried = run(["git", "ls-files", *sources], timeout=60, cwd=REPO).stdout.split()
+    assert len(carried) > len(sources), carried
+    shutil.copytree(REPO, tmp_path / "repo", ignore=shutil.ignore_patterns(".git", ".venv", "runs", "*.pt"))
+    show = [
+        "make",
+        "-s",
+        "-C",
+        tmp_path / "repo",
+        "--eval",
+        "show: ; @echo $(IMAGE_SUM) $(IMAGE_FILES)",
+        "show",
+    ]
+    total, *hashed = run(show, timeout=60).stdout.split()
+    assert sorted(set(carried) - set(hashed)) == []
+    with open(tmp_path / "repo" / carried[-1], "a") as edited:
+        edited.write("\n")
+    assert run(show, timeout=60).stdout.split()[0] != total
+
+
 def test_image_runs_as_a_non_root_user_without_secrets(image):
     user = run(["docker", "image", "inspect", "-f", "{{.Config.User}}", image], timeout=60).stdout.strip()
     assert user not in ("", "root", "0"), user

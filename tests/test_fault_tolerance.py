@@ -277,9 +277,9 @@ def two_hosts():
     """Namespaces NAME-a and NAME-b on a bridge, named and addressed uniquely for this run of the suite."""
     need(shutil.which("ip") and os.geteuid() == 0, "network namespaces need root and ip", "REQUIRE_NETNS")
     name = f"ft{RUN_ID}"
-    run(["bash", REPO / "tools/netns.sh", "up", name, free_subnet(), "a", "b"], timeout=60)
+    run(["bash", REPO / "harness/netns.sh", "up", name, free_subnet(), "a", "b"], timeout=60)
     yield name
-    run(["bash", REPO / "tools/netns.sh", "down", name, "a", "b"], timeout=60)
+    run(["bash", REPO / "harness/netns.sh", "down", name, "a", "b"], timeout=60)
 
 
 def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, two_hosts):
@@ -377,7 +377,7 @@ def test_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
     assert seconds < 5 + START_MARGIN, f"took {seconds:.0f} s with a 5 s timeout"
 
 
-@pytest.mark.parametrize("path", ["compose/compose.yaml", "tools/steps.py", "examples/slurm/sbatch_run.sh"])
+@pytest.mark.parametrize("path", ["compose/compose.yaml", "harness/steps.py", "examples/slurm/sbatch_run.sh"])
 def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
     """A node that never comes: join_timeout; an endpoint that never answers: read_timeout (torchrun retries
     once within it, about 1.5 times in all). torchrun's own defaults are 600 s and 60 s."""

@@ -35,6 +35,7 @@ from conftest import (
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
+BENCH_GPT = REPO / "benchmarks" / "gpt_throughput.py"
 TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
 TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
@@ -458,7 +459,7 @@ def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_su
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_text((REPO / "tools" / "bench.py").read_text() * 2)
+    path.write_text((REPO / "benchmarks" / "lessons.py").read_text() * 2)
     return path
 
 
@@ -689,7 +690,7 @@ def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
 
 # ---- benchmark --------------------------------------------------------------------------------------
 def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache):
-    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", "--rounds", 1, "--steps", 6, "--log_every", 3]
+    cmd = [PYTHON, BENCH_GPT, "--rounds", 1, "--steps", 6, "--log_every", 3]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "gpt.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=600)
@@ -703,7 +704,7 @@ def test_the_benchmark_compares_every_strategy_with_ddp_at_the_same_global_batch
     choices = next(
         a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
     ).choices
-    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", "--strategies", "--rounds", 1, "--steps", 4]
+    cmd = [PYTHON, BENCH_GPT, "--strategies", "--rounds", 1, "--steps", 4]
     cmd += ["--log_every", 2, "--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "s.json", "--"]
     cmd += ["--n_layer", 2, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=600)  # a strategy at another global batch would end it with an error
@@ -718,7 +719,7 @@ def test_the_benchmark_compares_every_strategy_with_ddp_at_the_same_global_batch
 
 
 def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
-    proc = run([PYTHON, REPO / "tools" / "bench_gpt.py", "--strategies", "nope"], timeout=120, check=False)
+    proc = run([PYTHON, BENCH_GPT, "--strategies", "nope"], timeout=120, check=False)
     assert proc.returncode == 2
     assert "--strategies: unknown ['nope']; train.py's --parallel choices: ['ddp'" in proc.stdout
 

@@ -26,9 +26,10 @@ def prepare(*args, check=True):
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    """A folder of text files: the Python sources of tools/ (about 300 kB)."""
+    """A folder of text files: the Python sources of the benchmarks, demos, harness and tools (300 kB)."""
     folder = tmp_path_factory.mktemp("texts")
-    for path in sorted((REPO / "tools").glob("*.py")):
+    sources = [REPO.glob(f"{name}/*.py") for name in ("benchmarks", "demos", "harness", "tools")]
+    for path in sorted(path for paths in sources for path in paths):
         shutil.copy(path, folder / path.name)
     return folder
 

@@ -144,7 +144,7 @@ COMPARISONS = [("--shards", "shards", "in_memory", 0.98), ("--metrics", "metrics
 def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(
     tmp_path, cache, flag, variant, baseline, goal
 ):
-    cmd = [PYTHON, REPO / "tools" / "bench_gpt.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
+    cmd = [PYTHON, REPO / "benchmarks/gpt_throughput.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "out.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=900)
@@ -157,9 +157,9 @@ def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(
 
 def test_plot_trace_draws_the_traces_of_every_process(slowed, tmp_path):
     folder, _, _ = slowed
-    run([PYTHON, REPO / "tools" / "plot_trace.py", folder / "traces", tmp_path / "trace.png"], timeout=300)
+    run([PYTHON, REPO / "benchmarks/plot_trace.py", folder / "traces", tmp_path / "trace.png"], timeout=300)
     assert (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    empty = [PYTHON, REPO / "tools" / "plot_trace.py", tmp_path, tmp_path / "x.png"]
+    empty = [PYTHON, REPO / "benchmarks" / "plot_trace.py", tmp_path, tmp_path / "x.png"]
     proc = run(empty, timeout=300, check=False)
     assert proc.returncode == 2 and "holds no rank*.json trace" in proc.stdout, proc.stdout
     assert not (tmp_path / "x.png").exists()

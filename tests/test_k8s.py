@@ -1,4 +1,4 @@
-"""The Kubernetes manifests (k8s/), checked by tools/k8s_check.py as a cluster would check them, and tied to
+"""The Kubernetes manifests (k8s/), checked by harness/k8s_check.py as a cluster would check them, and tied to
 the compose run: the same command, environment and snapshot volume. No cluster runs here. The TrainJob
 checks need the Kubeflow Trainer CRDs (shared/k8s beside the repository, or K8S_CRD_DIR) and skip without
 them, unless REQUIRE_K8S_CRDS=1. Budget: about 20 s."""

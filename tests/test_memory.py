@@ -1,4 +1,4 @@
-"""Memory per rank of the GPT trainer (examples/gpt/memory.py) and the report of tools/memory.py.
+"""Memory per rank of the GPT trainer (examples/gpt/memory.py) and the report of benchmarks/gpt_memory.py.
 
 Budget: under 60 s. Measured on 2 shared cores: 49 s at load average 2 to 3, 110 s at 4 to 5 (each torchrun
 start imports torch three times).
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, import_gpt_module, run
 
-TOOL = REPO / "tools" / "memory.py"
+TOOL = REPO / "benchmarks" / "gpt_memory.py"
 TINY = ["--n_layer", 1, "--n_head", 2, "--n_embd", 32, "--block_size", 16, "--batch_size", 4]
 
 
@@ -25,7 +25,7 @@ def gpt_parameter_tensors(vocab_size):
 @pytest.fixture
 def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_text((REPO / "tools" / "bench.py").read_text())
+    path.write_text((REPO / "benchmarks" / "lessons.py").read_text())
     return path
 
 

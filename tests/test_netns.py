@@ -1,4 +1,4 @@
-"""The two-node Compose job without Docker: two network namespaces joined by a bridge (tools/netns.sh) play
+"""The two-node Compose job without Docker: two network namespaces joined by a bridge (harness/netns.sh) play
 node0 and node1, each running the command that compose/compose.yaml gives that node: two local torchrun
 "nodes", uneven (2 processes and 1). Needs root. Budget: about 30 s."""
 
@@ -12,7 +12,7 @@ import torch
 import yaml
 from conftest import PYTHON, REPO, RUN_ID, TrainLog, assert_world, free_subnet, kill_group, need, popen, run
 
-NETNS = REPO / "tools" / "netns.sh"
+NETNS = REPO / "harness" / "netns.sh"
 # unique per run of the suite (RUN_ID), so that two runs on one machine do not meet
 NAME, HOSTS = f"n{RUN_ID}", ("node0", "node1")
 NPROC = {"node0": 2, "node1": 1}

@@ -1,5 +1,5 @@
 """examples/pitfalls: each script, run as it is, fails within its bound and names its cause in its last
-line; with --fixed it succeeds. One pass of tools/pitfalls.py (what `make pitfalls` runs) checks them all."""
+line; with --fixed it succeeds. One pass of demos/pitfalls.py (what `make pitfalls` runs) checks them all."""
 
 import json
 import subprocess
@@ -29,7 +29,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("pitfalls") / "report.json"
-    proc = run([PYTHON, REPO / "tools" / "pitfalls.py", "--json", out], timeout=1200, check=False)
+    proc = run([PYTHON, REPO / "demos" / "pitfalls.py", "--json", out], timeout=1200, check=False)
     return proc, {r["name"]: r for r in json.loads(out.read_text())}
 
 
@@ -45,7 +45,7 @@ def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name)
     proc, results = report
     result, (cause, seen) = results[name], EXPECTED[name]
     broken, fixed = result["broken"], result["fixed"]
-    assert broken["code"] not in (0, None), broken  # None: still running after tools/pitfalls.py's 60 s
+    assert broken["code"] not in (0, None), broken  # None: still running after demos/pitfalls.py's 60 s
     assert broken["seconds"] < 60 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
     assert any(seen in line for line in broken["lines"]), broken["lines"][-10:]
     assert fixed["code"] == 0, fixed["lines"][-10:]
@@ -53,5 +53,5 @@ def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name)
 
 
 def test_make_pitfalls_refuses_an_unknown_name():
-    proc = subprocess.run([PYTHON, REPO / "tools" / "pitfalls.py", "nosuch"], capture_output=True, text=True)
+    proc = subprocess.run([PYTHON, REPO / "demos" / "pitfalls.py", "nosuch"], capture_output=True, text=True)
     assert proc.returncode == 2 and "no such pitfall: nosuch" in proc.stderr

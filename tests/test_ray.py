@@ -1,4 +1,4 @@
-"""examples/multigpu_ray.py on Ray clusters on this machine (tools/ray_local.py), 2 CPU workers on gloo.
+"""examples/multigpu_ray.py on Ray clusters on this machine (harness/ray_local.py), 2 CPU workers on gloo.
 
 `make ray` starts a cluster, trains and stops it; the other runs share one cluster (about 3 s to start here,
 30 s on a loaded machine) from a copy of the script alone in an empty folder. 70 to 100 s in all.
@@ -39,7 +39,7 @@ def log_of(text):
 
 def leftovers(text, folder=None):
     """Processes still alive that the run's Ray started: the head's own (their command lines name its
-    folder, by default the one tools/ray_local.py printed) and the actors whose lines the output shows."""
+    folder, by default the one harness/ray_local.py printed) and the actors whose lines the output shows."""
     folder = folder or HEAD_RE.search(text).group(2)
     pids = {int(pid) for pid in RAY_PREFIX_RE.findall(text)}
     alive = []

@@ -1,7 +1,7 @@
 """examples/slurm/sbatch_run.sh as a real Slurm job spanning two nodes.
 
 Needs a Slurm cluster with two idle nodes, each with at least 2 CPUs and 2 GPUs (gres), that see this
-repository and the test's temporary directory: the one `tools/slurm-cluster.sh up` (or `make slurm-cluster`)
+repository and the test's temporary directory: the one `harness/slurm_cluster.sh up` (or `make slurm-cluster`)
 starts on this machine has them. Skipped when none answers, unless REQUIRE_SLURM=1.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from conftest import PYTHON, REPO, TrainLog, need, run
 
 JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
-CLUSTER = REPO / "tools" / "slurm-cluster.sh"
+CLUSTER = REPO / "harness" / "slurm_cluster.sh"
 NODES = 2
 PROCS_PER_NODE = 2
 # Seconds from submission to a final state. A job takes under a minute on 2 idle cores, but the bound leaves

@@ -21,7 +21,7 @@ def lesson(tmp_path, *args, timeout=60):
 def test_two_groups_train_as_one_and_end_identical(tmp_path):
     """make torchft: a lighthouse and two groups; both log every epoch with 2 groups at the end, identical"""
     summary = tmp_path / "summary.json"
-    command = [sys.executable, str(REPO / "tools" / "torchft_demo.py"), "--dir", str(tmp_path / "runs")]
+    command = [sys.executable, str(REPO / "demos" / "torchft_groups.py"), "--dir", str(tmp_path / "runs")]
     result = run([*command, "--epochs", "4", "--summary", str(summary)], timeout=240, check=False, env=ENV)
     assert result.returncode == 0, result.stdout[-3000:]
     account = json.loads(summary.read_text())
@@ -37,9 +37,9 @@ def test_two_groups_train_as_one_and_end_identical(tmp_path):
 
 
 def demo(tmp_path, *args):
-    """tools/torchft_demo.py (make torchft) with args; its exit status and its account (--summary)."""
+    """demos/torchft_groups.py (make torchft) with args; its exit status and its account (--summary)."""
     summary = tmp_path / "summary.json"
-    command = [sys.executable, str(REPO / "tools" / "torchft_demo.py"), "--dir", str(tmp_path / "runs")]
+    command = [sys.executable, str(REPO / "demos" / "torchft_groups.py"), "--dir", str(tmp_path / "runs")]
     result = run([*command, *args, "--summary", str(summary)], timeout=300, check=False, env=ENV)
     assert summary.is_file(), result.stdout[-3000:]
     return result, json.loads(summary.read_text())
