@@ -127,3 +127,22 @@ def test_make_help_lists_every_target_once_by_group_within_100_characters():
     assert sorted(listed) == sorted(described) and len(set(listed)) == len(listed), (listed, described)
     assert all(len(line) <= 100 for line in lines), [line for line in lines if len(line) > 100]
     assert "$(" not in out, out
+
+
+def test_the_gpt_package_imports_without_a_circle():
+    """Each module of examples/gpt can be read after the ones it imports: the package's own imports form no
+    circle (data.py reads what prepare.py writes; prepare.py does not import data.py)."""
+    package = EXAMPLES / "gpt"
+    modules = {path.stem for path in package.glob("*.py")}
+    imports = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        nodes = list(ast.walk(tree))
+        found = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+        found |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+        imports[name] = found & modules
+    done = set()
+    while len(done) < len(modules):
+        ready = {name for name in modules - done if imports[name] <= done}
+        assert ready, {name: sorted(imports[name] - done) for name in modules - done}  # each waits on another
+        done |= ready

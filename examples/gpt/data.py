@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import re
-import sys
-import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -25,35 +23,9 @@ import tokenizer as tok
 import torch
 from checkpoint import atomic_write
 
-# folders of the standard library that are not its source: tests, and packages installed into it
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-NOT_PRINTABLE = re.compile(r"[^\x20-\x7e\n]")
-
 
 class DataError(ValueError):
     """Input the run cannot train on; the message names it."""
-
-
-def stdlib_key():
-    """Names the standard library corpus of this Python without reading it."""
-    version = f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}"
-    return f"stdlib-{version}-{hashlib.sha256(sysconfig.get_paths()['stdlib'].encode()).hexdigest()[:8]}"
-
-
-def stdlib_files():
-    """Every *.py file of the standard library outside test folders, in path order: tabs become four
-    spaces, and only printable ASCII and newlines are kept."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts = []
-    for path in sorted(root.rglob("*.py")):
-        if SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        parts.append(NOT_PRINTABLE.sub("", text.replace("\t", "    ")))
-    return parts
 
 
 @contextlib.contextmanager

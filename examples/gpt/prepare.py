@@ -16,11 +16,12 @@ never a half shard under a shard's name, nor shards without a manifest (which wo
 import argparse
 import hashlib
 import json
+import re
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
-import data
 import tokenizer as tok
 import torch
 from checkpoint import atomic_write, fsync_dir
@@ -34,6 +35,33 @@ INCOMPLETE = {"format": FORMAT, "incomplete": "prepare.py stopped before it fini
 
 class PrepareError(ValueError):
     """Input that cannot be prepared; the message (one line) names it."""
+
+
+# folders of the standard library that are not its source: tests, and packages installed into it
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+NOT_PRINTABLE = re.compile(r"[^\x20-\x7e\n]")
+
+
+def stdlib_key():
+    """Names the standard library corpus of this Python without reading it."""
+    version = f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}"
+    return f"stdlib-{version}-{hashlib.sha256(sysconfig.get_paths()['stdlib'].encode()).hexdigest()[:8]}"
+
+
+def stdlib_files():
+    """Every *.py file of the standard library outside test folders, in path order: tabs become four
+    spaces, and only printable ASCII and newlines are kept."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for path in sorted(root.rglob("*.py")):
+        if SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        parts.append(NOT_PRINTABLE.sub("", text.replace("\t", "    ")))
+    return parts
 
 
 def text_files(source):
@@ -74,7 +102,7 @@ def fingerprint(sources, kind, vocab_size, dtype):
     parts = [f"format {FORMAT}", kind, str(vocab_size), dtype]
     for source in sources:
         if source == "stdlib":
-            parts.append(data.stdlib_key())
+            parts.append(stdlib_key())
             continue
         for path in text_files(source):
             stat = path.stat()
@@ -86,7 +114,7 @@ def read_documents(sources):
     docs = []
     for source in sources:
         if source == "stdlib":
-            docs += data.stdlib_files()
+            docs += stdlib_files()
         else:
             docs += [read_text(path) for path in text_files(source)]
     docs = [doc for doc in docs if doc]
