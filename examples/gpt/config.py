@@ -1,13 +1,11 @@
 """Command line and size presets. Preset values are defaults: any option given on the command line wins."""
 
 import argparse
-import json
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass
 
+import failure
 import torch
 from ac import MODES as AC_MODES
 
@@ -31,11 +29,6 @@ PRESETS = {
     ),
 }  # fmt: skip
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
-POSITIVE = (
-    "n_layer", "n_head", "n_embd", "block_size", "batch_size", "lr", "max_steps", "eval_every",
-    "eval_samples", "log_every", "grad_accum", "save_every", "keep", "timeout", "dist_timeout",
-    "pp_microbatches",
-)  # fmt: skip
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
 SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
@@ -101,37 +94,28 @@ class Layout:
         return {name: getattr(self, name) for name in (*self.NAMES, "zero")}
 
 
-def fail(message, status=1):
-    """End the run with `message`, for a failure that every process meets alike (bad input, a snapshot it
-    cannot use, divergence). Alone: the message on stderr, exit `status`. Under torchrun: said once, last,
-    as the error of torchrun's closing summary, not once per process. Each process writes it to the error
-    file torchrun reads (where torch.distributed.elastic's record writes a failure); each node's local rank
-    0 exits `status` once the node's other processes have ended quietly (0), so that torchrun stops none of
-    them and lists it alone."""
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with open(error_file, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
-        status = 0 if os.environ.get("LOCAL_RANK", "0") != "0" else time.sleep(3) or status
-    else:
-        print(message, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if torch.distributed.is_initialized():
-        os._exit(status)  # no interpreter shutdown with the group's threads alive (see train.py's end)
-    sys.exit(status)
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, whose errors under torchrun are said once, last: in torchrun's closing summary."""
 
     def error(self, message):
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             super().error(message)  # usage, the message, exit status 2
-        fail(f"{self.prog}: error: {message}", 2)
+        failure.refuse(self.prog, message)
 
 
-def get_parser():
-    p = Parser(description="Train a GPT, alone or under torchrun.")
+# Each concern declares its options (help and default) and returns the checks of their values, (ok, the
+# message when not), made once the preset has filled in what the command line left out.
+
+
+def positive(args, *names):
+    return [(getattr(args, n) > 0, f"--{n} must be positive, got {getattr(args, n)}") for n in names]
+
+
+def not_negative(args, *names):
+    return [(getattr(args, n) >= 0, f"--{n} must be 0 or more, got {getattr(args, n)}") for n in names]
+
+
+def data_options(p):
     p.add_argument("--model", choices=PRESETS, help="size preset (default: gpt2 with a GPU, cpu without one)")
     p.add_argument(
         "--data", default="stdlib",
@@ -147,10 +131,9 @@ def get_parser():
         help="--tokenizer bpe: tokens in all; nanoGPT shards, no tokenizer.json: their vocabulary (50257)",
     )  # fmt: skip
     p.add_argument(
-        "--in_memory",
-        action="store_true",
+        "--in_memory", action="store_true",
         help="copy the whole corpus onto every device, not reading windows from the shards (to compare)",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--cache_dir", default=default_cache_dir(), help="built and downloaded corpora (%(default)s)"
     )
@@ -159,10 +142,31 @@ def get_parser():
         "--dist_timeout", type=float, default=600,
         help="seconds a process waits for the others, at the start or in a collective, before failing (600)",
     )  # fmt: skip
+    return lambda args: [
+        (
+            args.vocab_size is None or args.vocab_size > 0,
+            f"--vocab_size must be positive, got {args.vocab_size}",
+        ),
+        *positive(args, "timeout", "dist_timeout"),
+    ]
+
+
+def model_options(p):
     group = p.add_argument_group("model shape (default: the preset's)")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         group.add_argument(f"--{key}", type=int)
     group.add_argument("--dropout", type=float)
+    return lambda args: [
+        *positive(args, "n_layer", "n_head", "n_embd", "block_size"),
+        (
+            args.n_embd % args.n_head == 0,
+            f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
+        ),
+        (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
+    ]
+
+
+def training_options(p):
     group = p.add_argument_group("training (default: the preset's)")
     group.add_argument("--max_steps", type=int, help="optimizer steps in all")
     group.add_argument("--batch_size", type=int, help="sequences per micro-batch per data-parallel process")
@@ -180,7 +184,16 @@ def get_parser():
         help="skip up to N steps whose loss or gradient norm is not finite, instead of stopping (0)",
     )  # fmt: skip
     group.add_argument("--seed", type=int, default=1337, help="initial weights, batches, dropout (1337)")
-    group = p.add_argument_group("evaluation, logging, snapshots")
+    return lambda args: [
+        *positive(args, "max_steps", "batch_size", "grad_accum", "lr", "decay_steps"),
+        (0 <= args.min_lr <= args.lr, f"--min_lr must be in [0, lr={args.lr}], got {args.min_lr}"),
+        *not_negative(args, "warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"),
+        (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
+    ]
+
+
+def metrics_options(p):
+    group = p.add_argument_group("evaluation, logging, profiling")
     group.add_argument("--eval_every", type=int, help="validation loss every this many steps, and at the end")
     group.add_argument("--eval_samples", type=int, help="validation sequences per evaluation")
     group.add_argument("--log_every", type=int, help="a log line every this many steps")
@@ -207,6 +220,21 @@ def get_parser():
         help="GPU: record every CUDA allocation and write the history to FILE at the end, for "
         "pytorch.org/memory_viz (each process: FILE.rankR)",
     )  # fmt: skip
+    return lambda args: [
+        *positive(args, "eval_every", "eval_samples", "log_every"),
+        (
+            args.slow_factor == 0 or args.slow_factor >= 1,
+            f"--slow_factor must be 0 or 1 or more, got {args.slow_factor}",
+        ),
+        (
+            torch.cuda.is_available() or args.memory_snapshot is None,
+            "--memory_snapshot records CUDA allocations: it needs a GPU",
+        ),
+    ]
+
+
+def snapshot_options(p):
+    group = p.add_argument_group("snapshots")
     group.add_argument(
         "--snapshot_path", default="gpt_snapshot",
         help="the snapshot directory to resume from and save to, any layout's (%(default)s)",
@@ -219,7 +247,23 @@ def get_parser():
     group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
     group.add_argument("--keep", type=int, default=2, help="snapshots kept, the newest (2)")
     group.add_argument("--sample_chars", type=int, default=200, help="characters generated at the end (200)")
-    group = p.add_argument_group("speed")
+    return lambda args: [
+        *positive(args, "save_every", "keep"),
+        *not_negative(args, "sample_chars"),
+        (
+            not os.path.isfile(args.snapshot_path),
+            f"--snapshot_path {args.snapshot_path} is a file: snapshots are directories; to start from a "
+            f"single-file snapshot pass it as --init_from {args.snapshot_path} with another --snapshot_path",
+        ),
+        (
+            args.init_from is None or os.path.isfile(args.init_from),
+            f"--init_from {args.init_from}: no such file",
+        ),
+    ]
+
+
+def speed_options(p):
+    group = p.add_argument_group("speed and memory")
     group.add_argument(
         "--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
         help="autocast type; auto: bf16 on GPUs that have it, else fp16 with a gradient scaler; fp32 on CPU",
@@ -229,13 +273,27 @@ def get_parser():
     group.add_argument(
         "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
     )
-    group = p.add_argument_group("memory")
     group.add_argument(
         "--ac", choices=AC_MODES, default="none",
         help="activation checkpointing: blocks keep only their input and recompute the rest in backward; "
         "full: every block, selective: every --ac_every-th block (none)",
     )  # fmt: skip
     group.add_argument("--ac_every", type=int, help="--ac selective: every this many blocks recompute (2)")
+    return lambda args: [
+        (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
+        (
+            args.ac_every is None or args.ac == "selective",
+            f"--ac_every is for --ac selective (this run: --ac {args.ac})",
+        ),
+        (args.ac_every is None or args.ac_every > 0, f"--ac_every must be positive, got {args.ac_every}"),
+        (
+            torch.cuda.is_available() or args.dtype != "fp16",
+            "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)",
+        ),
+    ]
+
+
+def parallel_options(p):
     group = p.add_argument_group(
         "parallelism: a device mesh pp x dp_replicate x dp_shard x tp, whose product is the number of "
         "processes (docs/parallelism.md)"
@@ -259,6 +317,28 @@ def get_parser():
     group.add_argument(
         "--pp_microbatches", type=int, default=4, help="pp: micro-batches each batch is cut into (4)"
     )
+    return lambda args: [
+        *positive(args, "pp_microbatches"),
+        *layout_checks(args, args.layout, torch.cuda.is_available()),
+        (
+            os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.getenv("TORCHELASTIC_MAX_RESTARTS") == "0",
+            "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...: with "
+            "torchrun's store shared, restarted processes can wait forever (docs/fault-tolerance.md)",
+        ),
+    ]
+
+
+CONCERNS = (
+    data_options, model_options, training_options, metrics_options, snapshot_options, speed_options,
+    parallel_options,
+)  # fmt: skip
+
+
+def get_parser():
+    """The parser, whose `checks` are every concern's."""
+    p = Parser(description="Train a GPT, alone or under torchrun.")
+    p.checks = [declare(p) for declare in CONCERNS]
     return p
 
 
@@ -282,8 +362,7 @@ def parse_args(argv=None):
     """Parse, fill in the preset, reject nonsense with an argparse message and exit status 2."""
     parser = get_parser()
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    args.model = args.model or ("gpt2" if cuda else "cpu")
+    args.model = args.model or ("gpt2" if torch.cuda.is_available() else "cpu")
     preset_warmup = args.warmup_steps is None  # the preset's is capped below; one given is kept as given
     for key, value in PRESETS[args.model].items():
         if getattr(args, key) is None:
@@ -295,68 +374,19 @@ def parse_args(argv=None):
         args.layout = make_layout(args, int(os.environ.get("WORLD_SIZE", 1)))
     except ValueError as exc:
         parser.error(str(exc))
-    for key in POSITIVE:
-        if getattr(args, key) <= 0:
-            parser.error(f"--{key} must be positive, got {getattr(args, key)}")
     args.decay_given = args.decay_steps is not None  # else a resumed run keeps its snapshot's
     args.decay_steps = args.max_steps if args.decay_steps is None else args.decay_steps
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    if preset_warmup and args.warmup_steps > (most := int(args.max_steps * WARMUP_FRACTION)):
+    for check in parser.checks:
+        for ok, message in check(args):
+            if not ok:
+                parser.error(message)
+    most = int(args.max_steps * WARMUP_FRACTION)
+    if preset_warmup and args.warmup_steps > most:
         if os.getenv("RANK", "0") == "0":
-            print(
-                f"the preset's warm-up cut to {most} steps from {args.warmup_steps}: "
-                f"{WARMUP_FRACTION:.0%} of --max_steps"
-            )
+            print(f"the preset's warm-up cut to {most} steps from {args.warmup_steps}: "
+                  f"{WARMUP_FRACTION:.0%} of --max_steps")  # fmt: skip
         args.warmup_steps = most
-    checks = [
-        (
-            args.n_embd % args.n_head == 0,
-            f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
-        ),
-        (
-            args.vocab_size is None or args.vocab_size > 0,
-            f"--vocab_size must be positive, got {args.vocab_size}",
-        ),
-        (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
-        (0 <= args.min_lr <= args.lr, f"--min_lr must be in [0, lr={args.lr}], got {args.min_lr}"),
-        (args.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {args.warmup_steps}"),
-        (args.decay_steps > 0, f"--decay_steps must be positive, got {args.decay_steps}"),
-        (args.weight_decay >= 0, f"--weight_decay must be 0 or more, got {args.weight_decay}"),
-        (args.grad_clip >= 0, f"--grad_clip must be 0 or more, got {args.grad_clip}"),
-        (args.skip_nonfinite >= 0, f"--skip_nonfinite must be 0 or more, got {args.skip_nonfinite}"),
-        (0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
-        (args.sample_chars >= 0, f"--sample_chars must be 0 or more, got {args.sample_chars}"),
-        (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
-        (
-            args.slow_factor == 0 or args.slow_factor >= 1,
-            f"--slow_factor must be 0 or 1 or more, got {args.slow_factor}",
-        ),
-        (
-            args.ac_every is None or args.ac == "selective",
-            f"--ac_every is for --ac selective (this run: --ac {args.ac})",
-        ),
-        (args.ac_every is None or args.ac_every > 0, f"--ac_every must be positive, got {args.ac_every}"),
-        (cuda or args.dtype != "fp16", "--dtype fp16 needs a GPU (its gradient scaler is for CUDA)"),
-        (cuda or args.memory_snapshot is None, "--memory_snapshot records CUDA allocations: it needs a GPU"),
-        (
-            not os.path.isfile(args.snapshot_path),
-            f"--snapshot_path {args.snapshot_path} is a file: snapshots are directories; to start from a "
-            f"single-file snapshot pass it as --init_from {args.snapshot_path} with another --snapshot_path",
-        ),
-        (
-            args.init_from is None or os.path.isfile(args.init_from),
-            f"--init_from {args.init_from}: no such file",
-        ),
-        (
-            os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or os.getenv("TORCHELASTIC_MAX_RESTARTS") == "0",
-            "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...: with "
-            "torchrun's store shared, restarted processes can wait forever (docs/fault-tolerance.md)",
-        ),
-    ]
-    for ok, message in checks + layout_checks(args, args.layout, cuda):
-        if not ok:
-            parser.error(message)
     args.ac_every = 2 if args.ac_every is None else args.ac_every
     for option in ("snapshot_path", "metrics_path", "profile_dir", "memory_snapshot"):  # now, not at the end
         problem = unwritable(getattr(args, option))

@@ -14,16 +14,16 @@ with --help for every option. Text is tokenized into shards first (prepare.py, o
 """
 
 import os
-import sys
 
 import checkpoint
 import data
+import failure
 import guards
 import hang
 import preempt
 import torch
 import torch.distributed as dist
-from config import fail, parse_args
+from config import parse_args
 from snapshots import all_ranks, snapshot_config
 from trainer import Trainer, setup_processes
 
@@ -45,17 +45,17 @@ def main():
         if snapshot is None and args.init_from:
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus))
     except checkpoint.SnapshotError as exc:
-        fail(f"error: {exc}")
+        failure.fail(f"error: {exc}")
     stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
     hang.record(args.snapshot_path)  # every collective in torch's flight recorder, read on a timeout
     try:
         rank, world, device = setup_processes(args.dist_timeout)
     except RuntimeError as exc:  # the others never came to the rendezvous
-        timed_out(args, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), exc)
+        failure.timed_out(args, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), exc)
     hang.arm(args.snapshot_path, rank, world)  # dumps when another process's collective times out
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
-        fail(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
+        failure.fail(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
              "--snapshot_path on a filesystem that every node shares")  # fmt: skip
     leads = rank == args.layout.leader  # the process that speaks for all
     if snapshot is not None and leads:
@@ -72,43 +72,15 @@ def main():
             del snapshot  # a single file's tensors (--init_from): written as the run's first snapshot
             trainer.train(stop)
         except checkpoint.SnapshotError as exc:  # a snapshot's data, read by every process here
-            fail(f"error: {exc}")
-        except guards.Diverged as exc:  # every process decided it from the same all-reduced numbers
-            newest = checkpoint.latest(args.snapshot_path) if os.path.isdir(args.snapshot_path) else None
-            kept = f"the newest snapshot is {newest}" if newest else "nothing was saved"
-            fail(f"error: {exc}, before its update: training stopped, {kept}. Lower --lr, or raise "
-                 "--warmup_steps, or pass --skip_nonfinite N")  # fmt: skip
+            failure.fail(f"error: {exc}")
+        except guards.Diverged as exc:
+            failure.diverged(exc, args.snapshot_path)
         except RuntimeError as exc:  # gloo and NCCL say "Timed out" when --dist_timeout passes
-            timed_out(args, rank, world, exc)
+            failure.timed_out(args, rank, world, exc)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def timed_out(args, rank, world, exc):
-    """A wait past --dist_timeout, or a collective whose connection another process closed (gloo's, when
-    that process timed out first or died): this process's stack and flight recorder, and every other live
-    process's, into SNAPSHOT_PATH/hang (hang.py), then a one-line error naming the report. Any other error
-    is raised."""
-    why = hang.cause(exc)
-    if why is None:
-        raise exc
-    silent = hang.dump(args.snapshot_path, rank, world, exc)
-    detail = str(exc).strip().splitlines()[0]
-    dumped = f"all but processes {silent}" if silent else "every process"
-    said = (
-        "lost its connection to another process, which gave up first or died"
-        if why == "lost"
-        else f"waited more than --dist_timeout {args.dist_timeout:g} s for the others, which stalled or died"
-    )
-    where = f"{args.snapshot_path}/hang: make why-hung RUN={args.snapshot_path} says which waits where"
-    sys.exit(f"error: process {rank} {said} ({detail}); {dumped} wrote its stack to {where}")
-
-
 if __name__ == "__main__":
     main()
-    # Trained and written. torch keeps the process group reachable after destroy_process_group (DDP's
-    # reference cycles, DTensor's caches), so its gloo threads would still run while the interpreter shuts
-    # down, where a finished run was seen to abort (SIGABRT, exit -6). Leave without that shutdown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    failure.leave(0, group_formed=True)  # trained and written
