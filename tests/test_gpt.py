@@ -336,17 +336,21 @@ def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete",
     ],
 )
-def test_gloos_ways_of_losing_a_collective_to_a_hang_each_dump_and_are_named(error, monkeypatch, tmp_path):
-    train_py = import_gpt_module("train")
-    monkeypatch.setattr(train_py.hang, "dump", lambda *args: [])  # what it would return: nobody silent
+def test_gloos_ways_of_losing_a_collective_to_a_hang_each_dump_and_are_named(
+    error, monkeypatch, tmp_path, capsys
+):
+    failure = import_gpt_module("failure")
+    monkeypatch.setattr(failure.hang, "dump", lambda *args: [])  # what it would return: nobody silent
     args = argparse.Namespace(snapshot_path=str(tmp_path), dist_timeout=15.0)
     with pytest.raises(SystemExit) as exit_:
-        train_py.timed_out(args, 1, 4, RuntimeError(error))
+        failure.timed_out(args, 1, 4, RuntimeError(error))
+    said = capsys.readouterr().err
+    assert exit_.value.code == 1
     lost = "timed out" not in error.lower()
-    assert ("lost its connection to another process" in str(exit_.value)) == lost, exit_.value
-    assert f"every process wrote its stack to {tmp_path}/hang" in str(exit_.value)
+    assert ("lost its connection to another process" in said) == lost, said
+    assert f"every process wrote its stack to {tmp_path}/hang" in said
     with pytest.raises(RuntimeError, match="CUDA out of memory"):  # anything else is raised as it came
-        train_py.timed_out(args, 1, 4, RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+        failure.timed_out(args, 1, 4, RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache, ddp2):
