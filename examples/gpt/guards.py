@@ -3,7 +3,7 @@ norm and whether a stop was asked for (preempt.py) are all-reduced together, one
 numbers per step, so every process takes the same decision from the same numbers. An ordinary step reads
 nothing back: a step whose loss or gradients are not finite is skipped by fused AdamW itself (found_inf),
 and fp16's loss scale moves on the device. The host reads the checks of every step since its last read
-at once, on the steps that log, evaluate or save (read()): there it counts skipped steps, stops a run
+at once, on the steps that log, evaluate or save (Checks): there it counts skipped steps, stops a run
 that diverged, and takes the decision to save and stop."""
 
 import math
@@ -36,16 +36,60 @@ def skip(values):
     return (~(values[0].isfinite() & values[2].isfinite())).float()
 
 
-def read(pending):
-    """[(step, mean loss, gradient norm, loss finite, norms finite, stop asked)] for pending, a list of
-    (step, verdict): one read of the device for all of them. The norm reported is this process's where
-    every process's is finite, else their non-finite sum."""
-    rows = torch.stack([values for _, values in pending]).tolist()
-    out = []
-    for (step, _), (loss, norm, norms, stops) in zip(pending, rows, strict=True):
-        finite = math.isfinite(norms)
-        out.append((step, loss, norm if finite else norms, math.isfinite(loss), finite, stops > 0))
-    return out
+class Checks:
+    """The host's side of the checks: the verdicts of the steps it has not read yet, read at once (one
+    transfer) on a step that logs, evaluates or saves. A skipped step is logged and counted against
+    --skip_nonfinite (fp16's overflows are the loss scale's, not counted); past those, Diverged, before the
+    step's update and any save. Keeps the finite losses since the last log line."""
+
+    def __init__(self, skip_nonfinite, scaled, log):
+        self.skip_nonfinite, self.scaled, self.log = skip_nonfinite, scaled, log
+        self.pending, self.losses, self.skipped = [], [], 0
+
+    def add(self, step, values):
+        self.pending.append((step, values))
+
+    def read(self):
+        """The last step's (gradient norm, loss finite, stop asked), every pending step checked. The norm
+        reported is this process's where every process's is finite, else their non-finite sum."""
+        rows = torch.stack([values for _, values in self.pending]).tolist()
+        for (step, _), (loss, norm, norms, _) in zip(self.pending, rows, strict=True):
+            loss_ok, norm_ok = math.isfinite(loss), math.isfinite(norms)
+            norm = norm if norm_ok else norms
+            if loss_ok:
+                self.losses.append(loss)
+            if (loss_ok and norm_ok) or (loss_ok and self.scaled):
+                continue
+            what, value = ("loss", loss) if not loss_ok else ("gradient norm", norm)
+            if self.skipped >= self.skip_nonfinite:
+                raise Diverged(f"the {what} became {value} at step {step}")
+            self.skipped += 1
+            self.log(f"step {step}: loss {loss}, gradient norm {norm}: skipped "
+                     f"({self.skipped} of --skip_nonfinite {self.skip_nonfinite})")  # fmt: skip
+        self.pending = []
+        return norm, loss_ok, rows[-1][3] > 0
+
+    def mean_loss(self):
+        """The mean of the finite losses since the last call."""
+        losses, self.losses = self.losses, []
+        return sum(losses) / len(losses) if losses else math.nan
+
+
+class DeferredSave:
+    """A snapshot due after step s waits for step s + 1's checks: it is written only when that step's loss
+    is finite, before its update, holding the state that step started from. No snapshot holds weights that
+    gave a non-finite loss."""
+
+    def __init__(self, every):
+        self.every, self.due = every, False
+
+    def after(self, step):
+        self.due = self.due or step % self.every == 0
+
+    def take(self, loss_ok):
+        """Whether to write the due snapshot now."""
+        now, self.due = self.due and loss_ok, self.due and not loss_ok
+        return now
 
 
 class LossScaler:

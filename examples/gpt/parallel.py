@@ -488,3 +488,15 @@ def replica_mismatches(layout, digests):
         if len({d for _, d in members}) > 1
     ]
     return sum(len(m) for m in compared), mismatches
+
+
+def check_replicas(layout, digests):
+    """Processes that hold copies of the same part (along the dimensions that replicate it) must end with it
+    bit for bit, compared by every rank's replica_digests (nothing gathered): the line to log, or
+    RuntimeError naming the ranks that differ."""
+    compared, mismatches = replica_mismatches(layout, digests)
+    if mismatches:
+        raise RuntimeError("replicas differ at the end of the run: " + "; ".join(mismatches))
+    if not compared:
+        return "no weights are replicated across processes in this layout: no replicas to compare"
+    return f"replicas identical: {compared} copies compared across ranks"

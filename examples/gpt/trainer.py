@@ -60,6 +60,16 @@ def peak_flops(args, device):
     return None
 
 
+def lr_at(a, step):
+    """Linear warmup, then a cosine from lr down to min_lr at decay_steps, then min_lr."""
+    if step < a.warmup_steps:
+        return a.lr * (step + 1) / a.warmup_steps
+    if step >= a.decay_steps:
+        return a.min_lr
+    progress = (step - a.warmup_steps) / max(1, a.decay_steps - a.warmup_steps)
+    return a.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (a.lr - a.min_lr)
+
+
 class Trainer:
     def __init__(self, args, corpus, snapshot, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -87,7 +97,8 @@ class Trainer:
         groups = optimizer_groups(self.raw, args.weight_decay)
         self.optimizer = parallel.make_optimizer(groups, layout, self.parallel.mesh, device)
         self.scaler = guards.LossScaler(enabled=self.dtype == torch.float16, device=device)
-        self.step = self.skipped = 0
+        self.step = 0
+        self.checks = guards.Checks(args.skip_nonfinite, self.scaler.enabled, self.log)
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
@@ -102,16 +113,6 @@ class Trainer:
         return time.perf_counter() - start
 
     # ---- one step ------------------------------------------------------------------------------------
-    def lr_at(self, step):
-        """Linear warmup, then a cosine from lr down to min_lr at decay_steps, then min_lr."""
-        a = self.args
-        if step < a.warmup_steps:
-            return a.lr * (step + 1) / a.warmup_steps
-        if step >= a.decay_steps:
-            return a.min_lr
-        progress = (step - a.warmup_steps) / max(1, a.decay_steps - a.warmup_steps)
-        return a.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (a.lr - a.min_lr)
-
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
@@ -120,7 +121,7 @@ class Trainer:
         the verdict, a tensor on the device."""
         a = self.args
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.step)
+            group["lr"] = lr_at(self.args, self.step)
         offsets = data.step_offsets(a.seed, self.step, self.global_batch, len(self.train_data), a.block_size)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(a.grad_accum):
@@ -146,26 +147,6 @@ class Trainer:
         self.scaler.update(skip)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-
-    def check(self, pending, losses):
-        """The host's side of the checks, on a step that reads them: every step since the last read, read
-        at once. A skipped step is logged and counted against --skip_nonfinite (fp16's overflows are the
-        loss scale's, not counted); past those, guards.Diverged, before this step's update and any save.
-        Adds the finite losses to `losses`; returns this step's (norm, loss finite, stop asked)."""
-        rows = guards.read(pending)
-        for step, loss, norm, loss_ok, norm_ok, _ in rows:
-            if loss_ok:
-                losses.append(loss)
-            if (loss_ok and norm_ok) or (loss_ok and self.scaler.enabled):
-                continue
-            what, value = ("loss", loss) if not loss_ok else ("gradient norm", norm)
-            if self.skipped >= self.args.skip_nonfinite:
-                raise guards.Diverged(f"the {what} became {value} at step {step}")
-            self.skipped += 1
-            self.log(f"step {step}: loss {loss}, gradient norm {norm}: skipped "
-                     f"({self.skipped} of --skip_nonfinite {self.args.skip_nonfinite})")  # fmt: skip
-        _, _, norm, loss_ok, _, stopping = rows[-1]
-        return norm, loss_ok, stopping
 
     def reads(self, step):
         """Whether the host reads the checks at this step (1-based): it logs, evaluates or is the last."""
@@ -219,23 +200,18 @@ class Trainer:
         # --slow_factor 0: nothing timed (on a GPU, events no gather would read)
         self.times = self.parallel.forward_timer = RankTimes(self.device) if a.slow_factor else nullcontext()
         profiler = a.profile_steps and StepProfiler(a.profile_steps, a.profile_dir, self.rank, self.device)
-        pending, losses, steps, due, clock = [], [], 0, False, time.perf_counter()
-        norm = math.nan
+        save, steps, clock, norm = guards.DeferredSave(a.save_every), 0, time.perf_counter(), math.nan
         while self.step < a.max_steps:
             if profiler:
                 profiler.at_step(self.step + 1)
-            # what a snapshot taken before this step's update holds
-            rng = snapshots.rng_state(self.device)
-            reads = due or self.reads(self.step + 1)
-            meter.active = reads
+            reads = meter.active = save.due or self.reads(self.step + 1)
+            rng = reads and snapshots.rng_state(self.device)  # what a snapshot before the update holds
             verdict = self.train_step(bool(stop))
-            pending.append((self.step + 1, verdict))
+            self.checks.add(self.step + 1, verdict)
             if reads:
-                norm, loss_ok, stopping = self.check(pending, losses)
-                pending = []
-                if loss_ok and (due or stopping):
+                norm, loss_ok, stopping = self.checks.read()
+                if save.take(loss_ok) or (stopping and loss_ok):
                     clock += self.save(rng)
-                    due = False
                 if stopping and loss_ok:
                     self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
                     history.dump()
@@ -244,32 +220,34 @@ class Trainer:
             steps += 1
             last = self.step == a.max_steps
             if self.step % a.log_every == 0 or last:
-                mean = sum(losses) / len(losses) if losses else math.nan
-                self.log_interval(mean, norm, steps, time.perf_counter() - clock)
-                losses, steps = [], 0
-            paused = time.perf_counter()  # evaluation and snapshots stay out of the throughput
-            if self.step % a.eval_every == 0 or last:
-                val_loss = self.evaluate()
-                self.log(f"step {self.step} | val loss {val_loss:.4f}")
-                self.metrics.record(self.step, val_loss=val_loss)
-                if last and not math.isfinite(val_loss):
-                    raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
-            if last:
-                self.save(snapshots.rng_state(self.device))
-            due = due or self.step % a.save_every == 0
-            clock += time.perf_counter() - paused
-            if steps == 0:
-                clock = time.perf_counter()
+                self.log_interval(self.checks.mean_loss(), norm, steps, time.perf_counter() - clock)
+                steps, clock = 0, time.perf_counter()
+            clock += self.evaluate_and_save(last)
+            save.after(self.step)
         if profiler:
             profiler.finish()
         history.dump()
         self.finish(meter)
         return True
 
+    def evaluate_and_save(self, last):
+        """The validation loss when due, and the last snapshot: the seconds they took, which stay out of
+        the throughput."""
+        a, start = self.args, time.perf_counter()
+        if self.step % a.eval_every == 0 or last:
+            val_loss = self.evaluate()
+            self.log(f"step {self.step} | val loss {val_loss:.4f}")
+            self.metrics.record(self.step, val_loss=val_loss)
+            if last and not math.isfinite(val_loss):
+                raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
+        if last:
+            self.save(snapshots.rng_state(self.device))
+        return time.perf_counter() - start
+
     def log_interval(self, loss, norm, steps, seconds):
         """One line (and one metrics record) for the steps since the last one, nanoGPT style; the gradient
         norm is the last step's, before clipping."""
-        a, lr = self.args, self.lr_at(self.step - 1)
+        a, lr = self.args, lr_at(self.args, self.step - 1)
         tokens_per_s = steps * self.global_batch * a.block_size / seconds
         mfu = None if self.peak is None else tokens_per_s / self.world * self.flops_per_token / self.peak
         self.log(
@@ -285,7 +263,8 @@ class Trainer:
             self.log(f"step {self.step} | {line}")
             fields.update(rank_ms=times, slow_ranks=slow)
         per_rank = {f"ranks/data_forward_ms/rank{r}": ms for r, ms in enumerate(times)}
-        fields.update(world_size=self.world, skipped=self.skipped, **({} if mfu is None else {"mfu": mfu}))
+        fields.update(world_size=self.world, skipped=self.checks.skipped)
+        fields.update({} if mfu is None else {"mfu": mfu})
         self.metrics.record(self.step, scalars=per_rank, **fields)
 
     def finish(self, meter):
@@ -300,25 +279,10 @@ class Trainer:
             + f" ({memory[0]['peak_kind']})"
         )
         self.metrics.close()
-        self.check_replicas()
+        if self.world > 1:
+            self.log(parallel.check_replicas(self.layout, all_ranks(parallel.replica_digests(self.parallel))))
         if self.args.sample_chars:  # every process takes part: a split model's forward is a collective
             self.log("sample:\n" + self.sample(self.args.sample_chars))
-
-    def check_replicas(self):
-        """Processes that hold copies of the same part (along the dimensions that replicate it) must end
-        with it bit for bit: compared by digest, nothing gathered."""
-        if self.world == 1:
-            return
-        compared, mismatches = parallel.replica_mismatches(
-            self.layout, all_ranks(parallel.replica_digests(self.parallel))
-        )
-        if mismatches:
-            raise RuntimeError("replicas differ at the end of the run: " + "; ".join(mismatches))
-        self.log(
-            f"replicas identical: {compared} copies compared across ranks"
-            if compared
-            else "no weights are replicated across processes in this layout: no replicas to compare"
-        )
 
     def sample(self, count):
         self.parallel.train(False)
