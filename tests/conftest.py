@@ -27,6 +27,10 @@ sys.path[:0] = [str(REPO / "harness"), str(REPO / "benchmarks")]  # the tests im
 import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"
+# The programs the tests start, as files: scripts, and folders holding a sitecustomize.py. Those that import
+# the GPT package get it from PYTHONPATH, the one way they find it.
+PROGRAMS, SITES = REPO / "tests" / "programs", REPO / "tests" / "sites"
+GPT_ON_PATH = {"PYTHONPATH": str(EXAMPLES / "gpt")}
 # the lessons torchrun starts with several processes, which say a refusal once, in its closing summary
 TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
 PYTHON = sys.executable
@@ -287,7 +291,7 @@ def import_gpt_module(name):
 # (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
 REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
 REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
-EXIT_PROBE = {"PYTHONPATH": str(REPO / "tests" / "exit_probe")}  # each process reports its threads at exit
+EXIT_PROBE = {"PYTHONPATH": str(SITES / "exit_probe")}  # each process reports its threads at exit
 
 
 @pytest.fixture(scope="session")

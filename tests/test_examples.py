@@ -17,6 +17,7 @@ from conftest import (
     REFERENCE_BATCH,
     REFERENCE_EPOCHS,
     REPO,
+    SITES,
     VENV,
     TrainLog,
     bound,
@@ -140,33 +141,13 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
     assert third.returncode == 0
 
 
-# sitecustomize for every process: a mark after each write to stdout, so a line written in pieces shows
-WRITE_MARKS = """
-import sys
-
-class Marked:
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        return self.stream.write(text + "\\x1e")
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-sys.stdout = Marked(sys.stdout)
-"""
-
-
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_each_start_line_is_written_whole(tmp_path, name):
     """Unbuffered (as in the image), print() writes the text and its newline apart, and two processes'
     start lines interleave ("[rank 1/2] cpu, gloo[rank 0/2] cpu, gloo"): each is one write."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(WRITE_MARKS)
     args = [1, 1, "--dataset_size", 64, "--snapshot_path", "snap.pt"]
     proc = run(
-        example_cmd(name, *args), timeout=300, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")}
+        example_cmd(name, *args), timeout=300, cwd=tmp_path, env={"PYTHONPATH": str(SITES / "write_marks")}
     )
     starts = re.findall(r"\[rank \d/2\][^\n]*\n\x1e?", proc.stdout)
     assert len(starts) == NPROC, proc.stdout[-3000:]

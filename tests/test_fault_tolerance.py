@@ -24,6 +24,7 @@ from conftest import (
     PYTHON,
     REPO,
     RUN_ID,
+    SITES,
     TORCHRUN,
     TORCHRUN_LESSONS,
     VENV,
@@ -57,7 +58,7 @@ def wait_for_epochs(metrics, count, proc, limit=300):
 
 
 # What restarts the lesson's processes after a failure: the command its docstring shows, verbatim.
-PROBE = REPO / "tests" / "restart_probe"  # its sitecustomize kills a worker after the first snapshot
+PROBE = SITES / "restart_probe"  # its sitecustomize kills a worker after the first snapshot
 # Rank 0 and rank 1 lost twice each. Without the store variable about 2 in 5 trials hung; its absence is
 # caught for certain: the lesson refuses to run without it, and the refusal test below checks that the
 # docstring's command sets it. RESTART_TRIALS=10 catches a hang in 2 of 5 with probability above 99%.
@@ -348,22 +349,10 @@ def test_torchrun_names_a_port_held_by_another_program(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-SLOW_SAVE = """
-import os, time
-import torch
-_save = torch.save
-def save(*args, **kwargs):
-    time.sleep(float(os.environ["SLOW_SAVE"]))
-    return _save(*args, **kwargs)
-torch.save = save
-"""
-
-
 def run_with_slow_save(tmp_path, seconds, *args):
     """One epoch of multigpu.py whose snapshot write takes `seconds` longer: meanwhile the other rank waits
     in the final collective. sitecustomize slows torch.save in every process, the spawned ones included."""
-    (tmp_path / "sitecustomize.py").write_text(SLOW_SAVE)
-    env = {"PYTHONPATH": str(tmp_path), "SLOW_SAVE": str(seconds)}
+    env = {"PYTHONPATH": str(SITES / "slow_save"), "SLOW_SAVE": str(seconds)}
     return run(example_cmd("multigpu", 1, 1, *args), timeout=400, check=False, cwd=tmp_path, env=env)
 
 

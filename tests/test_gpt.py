@@ -21,8 +21,10 @@ import pytest
 import torch
 from conftest import (
     EXAMPLES,
+    GPT_ON_PATH,
     GPU_ENV,
     GPUS,
+    PROGRAMS,
     PYTHON,
     REPO,
     TORCHRUN,
@@ -270,28 +272,11 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
     assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 15, 30)
 
 
-# Runs train.py with process 1 stalled before its first step: process 0 waits for it in a collective.
-STALL = """
-import os, runpy, sys, time
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import trainer
-train = trainer.Trainer.train
-def stalled(self, *args):
-    if self.rank == 1:
-        time.sleep(600)
-    return train(self, *args)
-trainer.Trainer.train = stalled
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
-    (tmp_path / "stall.py").write_text(STALL)
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", tmp_path / "stall.py", TRAIN]
-    cmd += ["--cache_dir", cache]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "stall.py", TRAIN]
+    cmd += ["--cache_dir", cache, *TINY, "--max_steps", 5, "--dist_timeout", 5]
     start = time.monotonic()
-    proc = run([*cmd, *TINY, "--max_steps", 5, "--dist_timeout", 5], timeout=300, check=False, cwd=tmp_path)
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=GPT_ON_PATH)
     seconds = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "error: process 0 waited more than --dist_timeout 5 s for the others" in proc.stdout, proc.stdout
@@ -303,27 +288,28 @@ def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
     assert re.search(r"rank 0 .*all_gather_object", report), report
 
 
-# Process 0's collective fails as gloo's do on the others when one process gives up first: the connection
-# closed by that peer, before process 0's own timeout. Process 1 sleeps: alive, its watcher answers.
-LOST = STALL.replace(
-    "    return train(self, *args)",
-    '    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:39085")',
-)
-
-
 def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache):
     """A paused node: the first process to time out closes its connections, and the other's collective
     fails `Connection closed by peer`; that one must still dump and ask the others (a Docker test's report
     once lacked its stack), and say what it lost."""
-    (tmp_path / "lost.py").write_text(LOST)
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", tmp_path / "lost.py", TRAIN, "--cache_dir", cache]
-    proc = run([*cmd, *TINY, "--max_steps", 5, "--dist_timeout", 60], timeout=300, check=False, cwd=tmp_path)
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        PROGRAMS / "stall.py",
+        TRAIN,
+        "--cache_dir",
+        cache,
+    ]
+    cmd += [*TINY, "--max_steps", 5, "--dist_timeout", 60]
+    env = {**GPT_ON_PATH, "STALL_LOSES": "1"}  # process 0's collective fails: the peer closed it
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=env)
     assert proc.returncode != 0, proc.stdout[-2000:]
     said = "error: process 0 lost its connection to another process, which gave up first or died"
     assert said in proc.stdout, proc.stdout[-3000:]
     assert "every process wrote its stack to gpt_snapshot/hang: make why-hung" in proc.stdout
     report = run([PYTHON, REPO / "tools" / "why_hung.py", tmp_path / "gpt_snapshot"], timeout=120).stdout
-    assert re.search(r"rank 1 .*lost\.py:\d+", report), report  # asleep, asked by process 0
+    assert re.search(r"rank 1 .*stall\.py:\d+", report), report  # asleep, asked by process 0
     assert re.search(r"rank 0 \(.*\): failed in ", report), report  # not a timeout of its own
 
 

@@ -7,28 +7,24 @@ import json
 import re
 
 import pytest
-from conftest import PYTHON, REPO, free_port, import_gpt_module, kill_group, popen, run, wait_for_json
+from conftest import (
+    PROGRAMS,
+    PYTHON,
+    REPO,
+    free_port,
+    import_gpt_module,
+    kill_group,
+    popen,
+    run,
+    wait_for_json,
+)
 from test_gpt import cache
-from test_gpt_sharding import script_file, train
+from test_gpt_sharding import train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 TENSORBOARD = [PYTHON, "-m", "tensorboard.main"]
 SLOW_MS = 60
-# train.py, with process 1's batches late by SLOW_MS: as a slow disk or a busy core would make them
-SLOW = f"""
-import os, runpy, sys, time
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import data
-gather = data.gather
-def late_gather(*args, **kwargs):
-    if os.environ["RANK"] == "1":
-        time.sleep({SLOW_MS} / 1000)
-    return gather(*args, **kwargs)
-data.gather = late_gather
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 ARGS = ["--max_steps", 12, "--log_every", 4, "--eval_every", 12, "--sample_chars", 0, "--batch_size", 4]
 ARGS += ["--metrics_path", "run/m.jsonl", "--profile_steps", "5:6", "--profile_dir", "run/traces"]
 BREAKDOWN = r"compute ([0-9.]+) ms, collectives ([0-9.]+) ms, of which ([0-9.]+) ms \((\d+)%\) overlapped"
@@ -38,7 +34,9 @@ BREAKDOWN += " compute"
 @pytest.fixture(scope="module")
 def slowed(tmp_path_factory, cache):
     cwd = tmp_path_factory.mktemp("slowed")
-    proc = train(cwd, cache, *ARGS, nproc=2, script=script_file(cwd, SLOW))
+    proc = train(
+        cwd, cache, *ARGS, nproc=2, script=PROGRAMS / "late_batches.py", env={"SLOW_MS": str(SLOW_MS)}
+    )
     records = [json.loads(line) for line in (cwd / "run" / "m.jsonl").read_text().splitlines()]
     return cwd / "run", proc.stdout, records
 

@@ -8,12 +8,11 @@ import io
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import test_gpt_sharding as sharding
 import torch
-from conftest import TORCHRUN, run
+from conftest import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
 from test_gpt import (  # noqa: F401  (cache: a fixture)
     TRAIN,
     VAL_RE,
@@ -26,13 +25,11 @@ from test_gpt import (  # noqa: F401  (cache: a fixture)
     saved,
     train,
 )
-from test_gpt_sharding import CRASH
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 RUN = ["--n_layer", 3, "--max_steps", 40, "--decay_steps", 40, "--batch_size", 16, "--eval_every", 20]
 RUN += ["--grad_clip", 0]
-PROBES = Path(__file__).parent / "gpt_probes"
 REPLICAS_RE = re.compile(r"^replicas identical: (\d+) copies compared across ranks$", re.M)
 
 
@@ -117,9 +114,9 @@ def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process
 
 
 def test_a_2d_run_killed_after_its_first_snapshot_resumes_in_one_process(tmp_path, cache, one):  # noqa: F811
-    # rank 0 is killed while it saves step 40 (test_gpt_sharding.CRASH): the snapshot of step 20 remains
+    # rank 0 is killed while it saves step 40 (programs/crash_at_save.py): the snapshot of step 20 remains
     args = [*RUN, *LAYOUTS["fsdp x tp"], "--save_every", 20]
-    wrapper = sharding.script_file(tmp_path, CRASH)
+    wrapper = PROGRAMS / "crash_at_save.py"
     crashed = sharding.train(tmp_path, cache, *args, nproc=4, script=wrapper, check=False)
     assert crashed.returncode != 0, crashed.stdout[-2000:]
     assert "saved gpt_snapshot at step 20" in crashed.stdout, crashed.stdout[-2000:]
@@ -193,65 +190,13 @@ def test_under_torchrun_a_bad_size_stops_every_process_before_training_and_write
 
 
 # ---- dropout under tp: each share of the heads draws its own masks, as distinct heads do in one process -
-TP_DROPOUT_PROBE = """
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import parallel
-from model import GPT, GPTConfig
-from torch.distributed.device_mesh import init_device_mesh
-
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-model = GPT(GPTConfig(vocab_size=4, block_size=16, n_layer=1, n_head=4, n_embd=32, dropout=0.5))
-model.init_weights(seed=0)
-with torch.no_grad():
-    model.pos_emb.weight.zero_()  # every position alike: attention is uniform and its values are equal
-model.dropout.p = 0.0  # (the embeddings' dropout would make positions differ)
-parallel.apply_tp(model, mesh)
-seen = []  # the attention output of this rank's heads, before the projection
-local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-model.blocks["0"].attn.proj.register_forward_pre_hook(lambda m, args: seen.append(local(args[0]).detach()))
-idx = torch.zeros(1, 16, dtype=torch.long)
-model.eval()
-model(idx)
-torch.manual_seed(1)  # the same stream on both ranks, as the trainer seeds the processes of one batch
-model.train()
-model(idx)
-kept = (seen[1] / seen[0])[0].view(16, 2, -1)[:, :, 0]  # per position and local head: kept share of inputs
-both = [torch.empty_like(kept) for _ in range(2)]
-dist.all_gather(both, kept)
-if dist.get_rank() == 0:
-    print("RESULT", "alike" if torch.allclose(both[0], both[1]) else "distinct", flush=True)
-dist.barrier()
-os._exit(0)  # as train.py ends: DTensor still holds the group, whose threads could abort a normal shutdown
-"""
-
-
 def test_tp_dropout_draws_distinct_masks_for_each_share_of_the_heads(tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text(TP_DROPOUT_PROBE)
-    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", script, TRAIN.parent], timeout=120)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "tp_dropout.py", TRAIN.parent]
+    proc = run(cmd, timeout=120, cwd=tmp_path, env=GPT_ON_PATH)
     assert "RESULT distinct" in proc.stdout, proc.stdout[-2000:]
 
 
 # ---- a non-finite step seen by one process only: every process takes the same decision ---------------
-# train.py, with the loss of step 3 NaN on rank 1 alone (a bad batch, an fp16 overflow in its shard)
-ONE_SIDED_NAN = """
-import os, runpy, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import guards, torch.distributed as dist
-verdict, calls = guards.verdict, []
-def one_sided(loss, norm, stop):
-    calls.append(1)
-    if dist.get_rank() == 1 and len(calls) == int(os.environ["NAN_STEP"]):
-        loss = loss * float("nan")
-    return verdict(loss, norm, stop)
-guards.verdict = one_sided
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize("skip", [1, 0])
 @pytest.mark.parametrize("step", [3, 2])
 def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(tmp_path, cache, skip, step):  # noqa: F811
@@ -259,7 +204,7 @@ def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(t
     ordinary step reads nothing back): the step was skipped on the device, and is said, counted or
     stopped for when read. Mutations: found_inf not given to AdamW (the replicas differ: it updated on
     one process), or read() skipping all but the last step (step 2 is never said): both fail."""
-    wrapper = sharding.script_file(tmp_path, ONE_SIDED_NAN)
+    wrapper = PROGRAMS / "one_sided_nan.py"
     args = ["--parallel", "tp", "--max_steps", 6, "--log_every", 3, "--skip_nonfinite", skip]
     env = {"NAN_STEP": str(step)}
     proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, check=False, env=env)
@@ -280,7 +225,7 @@ def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(t
 # ---- an ordinary step reads nothing back: the host waits for the device only where it logs or saves -----
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, nproc):  # noqa: F811
-    """tests/gpt_probes/host_reads.py counts every value examples/gpt reads from a tensor, step by step
+    """tests/programs/host_reads.py counts every value examples/gpt reads from a tensor, step by step
     (on a GPU also every synchronising call). Steps 4, 8, 12 log (8 evaluates, 12 is the last), 6 and 11
     follow a due snapshot: only those read; the others read 0. One process, and tp on 2, where every
     parameter must be a DTensor for the GPU's AdamW (fused or foreach) to take them. Mutations: the
@@ -288,7 +233,7 @@ def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, np
     that foreach AdamW refuses): each fails."""
     args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
     args += ["--parallel", "tp"] if nproc else []
-    sharding.train(tmp_path, cache, *args, nproc=nproc, script=PROBES / "host_reads.py")
+    sharding.train(tmp_path, cache, *args, nproc=nproc, script=PROGRAMS / "host_reads.py")
     checked = [4, 6, 8, 11, 12]
     for rank in range(nproc or 1):
         found = json.loads((tmp_path / f"reads.rank{rank}.json").read_text())
@@ -298,40 +243,6 @@ def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, np
         assert ordinary == {s: 0 for s in range(1, 13) if s not in checked}, reads
         assert all(reads[s] > 0 for s in checked), reads
         assert found["one_kind"] and found["foreach"], found
-
-
-# train.py under DDP, with an infinity in one gradient of rank 1 alone after step 3's all-reduce (its own
-# overflow): the loss stays finite, only rank 1's gradient norm is not. FP16=1: fp16's loss scaler is on
-# (on a CPU too), from a scale of 1024, doubling after 3 clean steps. Each process writes, after every
-# update, the step, the scale and whether its weights moved, into steps{rank}.txt.
-ONE_SIDED_INF_GRADIENT = """
-import os, runpy, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import guards, parallel, torch, trainer, torch.distributed as dist
-if os.environ.get("FP16") == "1":
-    class Scaler(guards.LossScaler):
-        def __init__(self, enabled, **kwargs):
-            super().__init__(True, scale=1024.0, interval=3)
-    guards.LossScaler = Scaler
-clip, calls = parallel.clip_grad_norm_, []
-def overflowed(par, max_norm):
-    calls.append(1)
-    if dist.get_rank() == 1 and len(calls) == 3:
-        grad = next(p.grad for p in par.module.parameters() if p.grad is not None)
-        parallel.local(grad).view(-1)[0] = float("inf")
-    return clip(par, max_norm)
-parallel.clip_grad_norm_ = overflowed
-update = trainer.Trainer.update
-def reported(self, *args):
-    before = [p.detach().clone() for p in self.raw.parameters()]
-    update(self, *args)
-    moved = any(not a.equal(b) for a, b in zip(before, self.raw.parameters()))
-    with open(f"steps{self.rank}.txt", "a") as f:
-        f.write(f"{self.step} {float(self.scaler.value)} {moved}\\n")
-trainer.Trainer.update = reported
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 def per_rank(folder):
@@ -344,7 +255,7 @@ def per_rank(folder):
 
 
 def test_fp16_overflow_on_one_process_skips_the_step_and_halves_the_scale_on_every_process(tmp_path, cache):  # noqa: F811
-    wrapper = sharding.script_file(tmp_path, ONE_SIDED_INF_GRADIENT)
+    wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 7, "--log_every", 1, "--sample_chars", 0]
     proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
     steps = per_rank(tmp_path)
@@ -359,7 +270,7 @@ def test_fp16_overflow_on_one_process_skips_the_step_and_halves_the_scale_on_eve
 
 @pytest.mark.parametrize("skip", [1, 0])
 def test_an_infinite_gradient_on_one_process_is_skipped_or_stops_every_process(tmp_path, cache, skip):  # noqa: F811
-    wrapper = sharding.script_file(tmp_path, ONE_SIDED_INF_GRADIENT)
+    wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 5, "--log_every", 1, "--sample_chars", 0]
     proc = sharding.train(
         tmp_path, cache, *args, "--skip_nonfinite", skip, nproc=2, script=wrapper, check=False
@@ -405,8 +316,8 @@ TP_ONE_RE = re.compile(
 
 
 def tp_at_world_size_1(tmp_path, env=None):
-    """tests/gpt_probes/tp_one_process.py under torchrun: (backend, first loss, last loss)."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROBES / "tp_one_process.py", TRAIN.parent]
+    """tests/programs/tp_one_process.py under torchrun: (backend, first loss, last loss)."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROGRAMS / "tp_one_process.py", TRAIN.parent]
     proc = run(cmd, timeout=300, cwd=tmp_path, env=env)
     found = TP_ONE_RE.search(proc.stdout)
     assert found, proc.stdout[-3000:]

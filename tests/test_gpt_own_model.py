@@ -5,75 +5,21 @@ import re
 
 import pytest
 import torch
-from conftest import TORCHRUN, import_gpt_module, run
+from conftest import GPT_ON_PATH, PROGRAMS, TORCHRUN, import_gpt_module, run
 from test_gpt import TINY, TRAIN, cache
 from torch.distributed import checkpoint as dcp
 
 __all__ = ["cache"]
 
-# GPT-J's block: attention and the MLP side by side on one norm, and a squared-ReLU MLP; the rest is the
-# interface docs/gpt.md lists (blocks, tok_emb, pos_emb, ln_f, head, qkv/proj/fc names for tp).
-OWN_MODEL = """
-import os, runpy, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import torch
-import torch.nn.functional as F
-import model, trainer
-from torch import nn
-
-
-class SquaredReLU(model.MLP):
-    def forward(self, x):
-        return self.dropout(self.proj(F.relu(self.fc(x)).square()))
-
-
-class ParallelBlock(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = model.CausalSelfAttention(cfg)
-        self.mlp = SquaredReLU(cfg)
-        # a buffer (as a rotary table or a mask is): built on the meta device, it holds no value there
-        self.register_buffer("one_half", torch.full((cfg.n_embd,), 0.5), persistent=False)
-
-    def init_buffers(self):  # what the trainer calls once the buffer has storage
-        self.one_half.fill_(0.5)
-
-    def forward(self, x):
-        h = self.ln1(x)
-        return x * (2 * self.one_half) + self.attn(h) + self.mlp(h)
-
-
-class OwnModel(model.GPT):
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg) for i in range(cfg.n_layer)})
-
-
-trainer.GPT = OwnModel
-finish = trainer.Trainer.finish
-
-
-def finish_and_show_buffers(self, meter):
-    values = sorted({float(v) for b in self.raw.buffers() for v in b.flatten()})
-    print(f"rank {self.rank}: buffer values {values}", flush=True)
-    return finish(self, meter)
-
-
-trainer.Trainer.finish = finish_and_show_buffers
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_a_model_of_your_own_trains_under_each_strategy(tmp_path, cache, strategy):
-    script = tmp_path / "own_model.py"
-    script.write_text(OWN_MODEL)
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", script, TRAIN, "--cache_dir", cache, *TINY]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "own_model.py", TRAIN]
+    cmd += ["--cache_dir", cache, *TINY]
     cmd += ["--parallel", strategy, "--max_steps", 10, "--eval_every", 10, "--batch_size", 4]
-    proc = run(cmd, timeout=900, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    proc = run(cmd, timeout=900, cwd=tmp_path, env={**GPT_ON_PATH, "OMP_NUM_THREADS": "1"})
     step_dir = next((tmp_path / "gpt_snapshot").glob("step-*"))
     names = list(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
     assert any("blocks.1.ln1" in name for name in names), names  # the own model's weights were trained

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, TORCHRUN, free_port, run
+from conftest import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, TORCHRUN, free_port, run
 from test_gpt import (
     GPT,
     TINY,
@@ -31,59 +31,14 @@ EXPORT = GPT / "export.py"
 STEPS = ["--max_steps", 40, "--save_every", 20, "--sample_chars", 0, "--grad_clip", 0]
 ON_2 = ["--batch_size", 12]
 
-# Runs train.py, but SIGKILLs process 0 when it is about to write extra.pt of the step-40 snapshot: every
-# process has written its shards by then, and the pointer still names step 20.
-CRASH = """
-import os, runpy, signal, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import checkpoint
-save_file = checkpoint.save_file
-def dying_save(path, state):
-    if state["step"] == 40:
-        os.kill(os.getpid(), signal.SIGKILL)
-    save_file(path, state)
-checkpoint.save_file = dying_save
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-# What train.py does with a snapshot, plus one save into ./resaved right after loading it: the state as
-# this number of processes holds it, before any step.
-RESUME = """
-import os, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import checkpoint, data, preempt, snapshots
-from config import parse_args
-from snapshots import snapshot_config
-from trainer import Trainer, setup_processes
-sys.argv = sys.argv[1:]
-parser, args = parse_args()
-corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenizer, args.vocab_size)
-snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
-rank, world, device = setup_processes()
-trainer = Trainer(args, corpus, snapshot, rank, world, device)
-path, args.snapshot_path = args.snapshot_path, "resaved"
-snapshots.save(trainer, snapshots.rng_state(device))
-args.snapshot_path = path
-trainer.train(preempt.StopRequest())
-sys.stdout.flush()
-os._exit(0)  # as train.py ends: the group's gloo threads, still held, could abort a normal shutdown
-"""
-
 
 def train(cwd, cache, *args, nproc=None, script=None, check=True, env=None):
     """train.py (or a script that runs it) on the tiny model: alone, or under torchrun on nproc processes."""
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    env = {"OMP_NUM_THREADS": "1", **(GPT_ON_PATH if script else {}), **(env or {})}
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
     cmd += [script, TRAIN] if script else [TRAIN]
     cmd += ["--cache_dir", cache, *TINY, *args]
     return run(cmd, timeout=600, cwd=cwd, check=check, env=env)
-
-
-def script_file(tmp_path, text):
-    path = tmp_path / "wrapper.py"
-    path.write_text(text)
-    return path
 
 
 def export(snapshot, out, check=True, env=None):
@@ -149,7 +104,7 @@ def test_fsdp_on_2_ranks_equals_ddp_and_keeps_the_tied_matrix_one(runs):
 def crashed(tmp_path_factory, cache):
     """fsdp on 2 processes, process 0 killed while saving step 40: the snapshot of step 20 remains."""
     cwd = tmp_path_factory.mktemp("crashed")
-    wrapper = script_file(cwd, CRASH)
+    wrapper = PROGRAMS / "crash_at_save.py"
     proc = train(cwd, cache, *STEPS, *ON_2, "--parallel", "fsdp", nproc=2, script=wrapper, check=False)
     assert proc.returncode != 0, proc.stdout[-3000:]
     return cwd / "gpt_snapshot"
@@ -167,7 +122,7 @@ def test_a_crash_mid_save_leaves_the_previous_snapshot(crashed):
 )
 def test_resume_on_another_number_of_processes(tmp_path, cache, crashed, runs, nproc, args):
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
-    wrapper = script_file(tmp_path, RESUME)
+    wrapper = PROGRAMS / "resave.py"
     proc = train(tmp_path, cache, *STEPS, *args, "--parallel", "fsdp", nproc=nproc, script=wrapper)
     assert "resuming" not in proc.stdout  # (train.py's message; the wrapper resumes silently)
     # the state as loaded by this many processes is the state 2 processes saved
@@ -303,47 +258,6 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
     assert "--comm_hook is for DDP" in capsys.readouterr().err
 
 
-MIXED_PRECISION_PROBE = """
-import os, sys
-import torch, torch.distributed as dist, torch.multiprocessing as mp
-sys.path.insert(0, sys.argv[1])
-import parallel
-from model import GPT, GPTConfig
-from torch.distributed.device_mesh import init_device_mesh
-
-
-def probe(rank, port, bf16):
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    model.init_weights(seed=0)
-    seen = []  # a block's weight dtype while it runs, and what the gradient reduce-scatter carries
-    block = next(iter(model.blocks.values()))
-    linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
-    linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-    reduce_scatter = dist.reduce_scatter_single  # looked up by FSDP at each call
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["input"].dtype)
-        return reduce_scatter(*args, **kwargs)
-
-    dist.reduce_scatter_single = recording
-    parallel.apply_fsdp(model, mesh, torch.bfloat16 if bf16 else None)
-    x = torch.randint(16, (2, 8))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        model(x, x)[1].backward()
-    shard = next(iter(block.parameters()))
-    if rank == 0:
-        print("RESULT", seen[0], seen[-1], shard.dtype, shard.grad.dtype, flush=True)
-    dist.barrier()
-    os._exit(0)  # as train.py ends: FSDP still holds the group, whose threads could abort a normal shutdown
-
-
-if __name__ == "__main__":
-    mp.spawn(probe, args=(sys.argv[2], sys.argv[3] == "bf16"), nprocs=2)
-"""
-
-
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [
@@ -354,7 +268,6 @@ if __name__ == "__main__":
 def test_fsdp_under_bf16_gathers_bf16_reduces_float32_and_keeps_float32_shards(tmp_path, dtype, expected):
     """On 2 processes: a block computes with bf16 weights (gathered in bf16), its gradients are
     reduce-scattered in float32, and the shards and their gradients stay float32 (the master copy)."""
-    script = tmp_path / "probe.py"
-    script.write_text(MIXED_PRECISION_PROBE)
-    proc = run([PYTHON, script, EXAMPLES / "gpt", free_port(), dtype], timeout=180)
+    cmd = [PYTHON, PROGRAMS / "fsdp_mixed_precision.py", EXAMPLES / "gpt", free_port(), dtype]
+    proc = run(cmd, timeout=180, cwd=tmp_path, env=GPT_ON_PATH)
     assert f"RESULT {expected}" in proc.stdout, proc.stdout[-2000:]

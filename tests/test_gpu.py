@@ -11,6 +11,7 @@ from conftest import (
     EXAMPLES,
     GPU_ENV,
     GPUS,
+    PROGRAMS,
     PYTHON,
     REPO,
     TrainLog,
@@ -150,29 +151,11 @@ def test_doctor_on_the_gpus(tmp_path):
     assert f"PASS  all-reduce   2 local processes agree on the sum ({backend})" in proc.stdout
 
 
-NCCL_TIMEOUT = """
-import os, sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-rank = int(os.environ["RANK"])
-torch.cuda.set_device(rank)
-dist.init_process_group("nccl", timeout=timedelta(seconds=10), device_id=torch.device("cuda", rank))
-x = torch.ones(1, device="cuda")
-dist.all_reduce(x)  # one collective both ranks finish: the recorder's first entry
-torch.cuda.synchronize()
-if rank == 0:
-    time.sleep(60)  # works alone (the rank0_alone pitfall), past the timeout
-dist.all_reduce(x)  # rank 1 waits here for rank 0
-torch.cuda.synchronize()
-"""
-
-
 @pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
 def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_rank_ran(tmp_path):
     """docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
     watchdog names the one that timed out and writes the record of the rank that waited."""
-    script = tmp_path / "nccl_timeout.py"
-    script.write_text(NCCL_TIMEOUT)
+    script = PROGRAMS / "nccl_timeout.py"
     env = {
         **GPU_ENV,
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
@@ -196,14 +179,13 @@ def test_tp_at_world_size_1_on_nccl_trains_with_fused_adamw(tmp_path):
 
 
 def test_an_ordinary_gpt_step_on_the_gpu_waits_for_nothing(tmp_path):
-    """tests/gpt_probes/host_reads.py on the GPU, one process, bf16: CUDA's sync debug mode warns of every
+    """tests/programs/host_reads.py on the GPU, one process, bf16: CUDA's sync debug mode warns of every
     call in a step that waits for the device; the steps that neither log, evaluate nor save have none."""
-    from test_gpt_model_parallel import PROBES
     from test_gpt_sharding import train
 
     args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
     cache = tmp_path / "cache"
-    train(tmp_path, cache, *args, script=PROBES / "host_reads.py", env=GPU_ENV)
+    train(tmp_path, cache, *args, script=PROGRAMS / "host_reads.py", env=GPU_ENV)
     found = json.loads((tmp_path / "reads.rank0.json").read_text())
     reads = {int(step): count for step, count in found["reads"].items()}
     assert found["checked"] == [4, 6, 8, 11, 12], found

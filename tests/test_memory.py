@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import EXAMPLES, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from conftest import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
 
 TOOL = REPO / "benchmarks" / "gpt_memory.py"
 TINY = ["--n_layer", 1, "--n_head", 2, "--n_embd", 32, "--block_size", 16, "--batch_size", 4]
@@ -82,37 +82,10 @@ def test_an_unknown_strategy_exits_2_and_writes_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-SHARDED = """
-import json, os, sys
-import torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-sys.path.insert(0, sys.argv[1])
-from memory import MemoryMeter
-
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
-for layer in model:
-    fully_shard(layer)
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters())
-meter = MemoryMeter(model, optimizer)
-model(torch.randn(4, 8)).sum().backward()
-optimizer.step()
-optimizer.zero_grad(set_to_none=True)  # as the trainer does: the gradients were counted at the step
-# one write per line: both ranks print into the same pipe, unbuffered in CI
-sys.stdout.write("MEMORY " + json.dumps(meter.report(torch.device("cpu"))) + "\\n")
-sys.stdout.flush()
-dist.destroy_process_group()
-os._exit(0)  # as examples/gpt/train.py does: DTensor's caches keep the group's threads alive
-"""
-
-
 def test_sharded_parameters_count_their_local_shard_only(tmp_path):
     """FSDP2 on 2 ranks: each rank holds half of every tensor (all dimensions are even here)."""
-    script = tmp_path / "sharded.py"
-    script.write_text(SHARDED)
-    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", script, EXAMPLES / "gpt"], timeout=120)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "sharded_memory.py", EXAMPLES / "gpt"]
+    proc = run(cmd, timeout=120, cwd=tmp_path, env=GPT_ON_PATH)
     reports = [json.loads(line) for line in re.findall(r"^MEMORY (.*)$", proc.stdout, re.M)]
     full = 4 * (8 * 16 + 16 + 16 * 8 + 8)
     assert len(reports) == 2

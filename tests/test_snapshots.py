@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from conftest import example_cmd, load_snapshot, run
+from conftest import SITES, example_cmd, load_snapshot, run
 
 
 @pytest.fixture(scope="module")
@@ -92,30 +92,9 @@ def test_under_torchrun_a_snapshot_that_does_not_fit_is_said_once_as_its_summary
     assert path.read_bytes() == good_snapshot and sorted(os.listdir(tmp_path)) == ["snap.pt"]
 
 
-# sitecustomize for the example's process: its second torch.save writes half a file, then fails or dies
-HALF_A_SAVE = """
-import os, signal, torch
-_save, _calls = torch.save, []
-
-def save(obj, f, *args, **kwargs):
-    _calls.append(1)
-    if len(_calls) < 2:
-        return _save(obj, f, *args, **kwargs)
-    f.write(b"PK\\x03\\x04 the first half of a zip file")
-    f.flush()
-    if os.environ["HOW"] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise OSError("disk full")
-
-torch.save = save
-"""
-
-
 @pytest.mark.parametrize("how", ["error", "kill"])
 def test_a_write_cut_short_keeps_the_previous_snapshot(tmp_path, how):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(HALF_A_SAVE)
-    env = {"PYTHONPATH": str(tmp_path / "site"), "HOW": how}
+    env = {"PYTHONPATH": str(SITES / "half_a_save"), "HOW": how}
     cmd = example_cmd("single_gpu", 2, 1, "--dataset_size", 64, "--snapshot_path", "snap.pt")
     proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=env)
     assert proc.returncode == (-signal.SIGKILL if how == "kill" else 1), proc.stdout[-3000:]

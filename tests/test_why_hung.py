@@ -6,13 +6,24 @@ import contextlib
 import os
 import signal
 import subprocess
-import textwrap
 import time
 from types import SimpleNamespace
 
 import pytest
 import why_hung as report_tool  # tools/why_hung.py (tools/ is on the path: conftest)
-from conftest import GPU_ENV, GPUS, PYTHON, REPO, TORCHRUN, VENV, kill_group, popen, run
+from conftest import (
+    GPT_ON_PATH,
+    GPU_ENV,
+    GPUS,
+    PROGRAMS,
+    PYTHON,
+    REPO,
+    TORCHRUN,
+    VENV,
+    kill_group,
+    popen,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,36 +100,6 @@ def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):
     assert lines[-1].startswith(f"cause: {report[-1].removeprefix('verdict: ')}: "), lines[-1]
 
 
-LOOP = """
-    import os, sys, time
-    from datetime import timedelta
-    from pathlib import Path
-
-    sys.path.insert(0, {gpt!r})
-    import hang
-    import torch
-    import torch.distributed as dist
-
-    folder = Path(sys.argv[1])
-    hang.record(folder)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[2])))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    (folder / f"pid{{rank}}").write_text(str(os.getpid()))
-    hang.arm(folder, rank, world)
-    total = torch.ones(1)
-    try:
-        for step in range(100_000):
-            dist.all_reduce(total)  # the collective that rank 1, stopped, never joins
-            if step == 20:
-                (folder / f"ready{{rank}}").write_text("")
-            time.sleep(0.02)
-    except RuntimeError as exc:
-        silent = hang.dump(folder, rank, world, exc, wait=3)
-        (folder / f"done{{rank}}").write_text(str(silent))
-        sys.exit(1)
-"""
-
-
 def wait_for(path, seconds, proc):
     deadline = time.monotonic() + seconds
     while not path.exists():
@@ -130,12 +111,11 @@ def wait_for(path, seconds, proc):
 def test_a_stopped_worker_under_torchrun_is_named_missing(tmp_path):
     """SIGSTOP one of torchrun's two workers: the other times out, dumps, and the report names the stopped
     one as the process that wrote nothing, and the collective the other waits in."""
-    script = tmp_path / "loop.py"
-    script.write_text(textwrap.dedent(LOOP.format(gpt=str(REPO / "examples" / "gpt"))))
+    script = PROGRAMS / "why_hung_loop.py"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", script, run_dir, "6"]
-    proc = popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen(cmd, cwd=tmp_path, env=GPT_ON_PATH, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(run_dir / "ready1", 90, proc)  # both workers are all-reducing
         os.kill(int((run_dir / "pid1").read_text()), signal.SIGSTOP)
@@ -166,38 +146,11 @@ def test_a_folder_without_dumps_is_refused_in_one_line(tmp_path):
     assert proc.stderr.strip() == f"why_hung.py: error: {no_dumps}", proc.stderr
 
 
-# NCCL (written for GPUs, not yet run on one): rank 0 works alone as in rank0_alone.py; rank 1's collective
-# times out in NCCL's watchdog, which dumps, tells rank 0's to dump through the store, and aborts rank 1.
-NCCL_ALONE = """
-    import os, sys, time
-    from datetime import timedelta
-
-    sys.path.insert(0, {gpt!r})
-    import hang
-    import torch
-    import torch.distributed as dist
-
-    folder, rank = sys.argv[1], int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    hang.record(folder)
-    dist.init_process_group("nccl", timeout=timedelta(seconds=10), device_id=torch.device("cuda", rank))
-    hang.arm(folder, rank, 2)
-    x = torch.ones(1, device="cuda")
-    dist.all_reduce(x)  # both ranks finish this one
-    torch.cuda.synchronize()
-    if rank == 0:
-        time.sleep(60)  # works alone
-    dist.all_reduce(x)  # rank 1 waits here
-    torch.cuda.synchronize()
-"""
-
-
 @pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
 def test_nccl_dumps_on_timeout_are_read_by_the_same_report(tmp_path):
-    script = tmp_path / "nccl_alone.py"
-    script.write_text(textwrap.dedent(NCCL_ALONE.format(gpt=str(REPO / "examples" / "gpt"))))
+    script = PROGRAMS / "nccl_alone.py"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", script, tmp_path / "run"]
-    proc = run(cmd, timeout=150, check=False, cwd=tmp_path, env=GPU_ENV)
+    proc = run(cmd, timeout=150, check=False, cwd=tmp_path, env={**GPU_ENV, **GPT_ON_PATH})
     assert proc.returncode != 0, proc.stdout[-3000:]
     hang = tmp_path / "run" / "hang"
     assert (hang / "fr_rank0").exists() and (hang / "fr_rank1").exists(), proc.stdout[-3000:]  # NCCL's own

@@ -13,11 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import trainer  # from the package on PYTHONPATH, which the test sets
+from torch.distributed.tensor import DTensor
 
-GPT = Path(sys.argv[1]).resolve().parent
-sys.path.insert(0, str(GPT))
-import trainer  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+GPT = Path(trainer.__file__).resolve().parent
 
 reads, checked, state = {}, [], {"step": 0}
 

@@ -3,15 +3,12 @@ on a GPU, gloo on a CPU): apply_tp's plan, fused AdamW over the DTensors, loss p
 the checks and the skip on the device. 8 steps on one batch; prints whether every parameter is a DTensor
 and the first and last loss. Run by torchrun with one process (sys.argv[1]: examples/gpt)."""
 
-import sys
 from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
-
-sys.path.insert(0, sys.argv[1])
 import guards
 import parallel
+import torch
+import torch.distributed as dist
 from model import GPT, GPTConfig, optimizer_groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor

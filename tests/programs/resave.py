@@ -1,0 +1,28 @@
+"""What train.py does with a snapshot, plus one save into ./resaved right after loading it: the state as
+this number of processes holds it, before any step.
+
+Started by tests/test_gpt_sharding.py."""
+
+import os
+import sys
+
+import checkpoint
+import data
+import preempt
+import snapshots
+from config import parse_args
+from snapshots import snapshot_config
+from trainer import Trainer, setup_processes
+
+sys.argv = sys.argv[1:]
+parser, args = parse_args()
+corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenizer, args.vocab_size)
+snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
+rank, world, device = setup_processes()
+trainer = Trainer(args, corpus, snapshot, rank, world, device)
+path, args.snapshot_path = args.snapshot_path, "resaved"
+snapshots.save(trainer, snapshots.rng_state(device))
+args.snapshot_path = path
+trainer.train(preempt.StopRequest())
+sys.stdout.flush()
+os._exit(0)  # as train.py ends: the group's gloo threads, still held, could abort a normal shutdown
