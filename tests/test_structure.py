@@ -129,6 +129,13 @@ def test_make_help_lists_every_target_once_by_group_within_100_characters():
     assert "$(" not in out, out
 
 
+def imported(path):
+    """The names of the modules a Python file imports, at any depth."""
+    nodes = list(ast.walk(ast.parse(path.read_text())))
+    names = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+
+
 def test_the_gpt_package_imports_without_a_circle():
     """Each module of examples/gpt can be read after the ones it imports: the package's own imports form no
     circle (data.py reads what prepare.py writes; prepare.py does not import data.py)."""
@@ -136,13 +143,17 @@ def test_the_gpt_package_imports_without_a_circle():
     modules = {path.stem for path in package.glob("*.py")}
     imports = {}
     for name in modules:
-        tree = ast.parse((package / f"{name}.py").read_text())
-        nodes = list(ast.walk(tree))
-        found = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
-        found |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
-        imports[name] = found & modules
+        imports[name] = imported(package / f"{name}.py") & modules
     done = set()
     while len(done) < len(modules):
         ready = {name for name in modules - done if imports[name] <= done}
         assert ready, {name: sorted(imports[name] - done) for name in modules - done}  # each waits on another
         done |= ready
+
+
+def test_nothing_under_examples_imports_from_tools():
+    """examples/ is what users copy: a file there may start tools/why_hung.py, never import it, so that a
+    copied example needs nothing beside it but what its docstring names."""
+    tools = {path.stem for path in (EXAMPLES.parent / "tools").glob("*.py")}
+    for path in EXAMPLES.rglob("*.py"):
+        assert not imported(path) & tools, path

@@ -9,6 +9,7 @@ python examples/pitfalls/mismatched_collectives.py [--fixed]    # --fixed: the s
 import argparse
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from datetime import timedelta
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2] / d) for d in ("examples/gpt", "tools")]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples" / "gpt"))
 import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
-import why_hung  # noqa: E402  (tools/why_hung.py: which process is in which collective, from those dumps)
 
 
 def worker(rank, fixed, folder):
@@ -52,8 +53,11 @@ def main():
     try:
         mp.spawn(worker, args=(args.fixed, folder), nprocs=2)
     except mp.ProcessExitedException:
-        lines, verdict = why_hung.report(folder)  # what `make why-hung RUN=folder` prints
-        print(*lines, sep="\n")
+        # which process is in which collective, from those dumps: `make why-hung RUN=folder`
+        report = subprocess.run([sys.executable, REPO / "tools" / "why_hung.py", folder], capture_output=True)
+        said = report.stdout.decode() or report.stderr.decode()  # its last line: the verdict, or its error
+        print(said, end="")
+        verdict = said.strip().splitlines()[-1].removeprefix("verdict: ")
         sys.exit(
             f"cause: mismatched collectives: {verdict}; fix: the same collectives in the same order on every "
             "rank (--fixed)"

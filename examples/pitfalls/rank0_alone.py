@@ -9,6 +9,7 @@ python examples/pitfalls/rank0_alone.py [--fixed]    # --fixed: every rank takes
 import argparse
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2] / d) for d in ("examples/gpt", "tools")]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples" / "gpt"))
 import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
-import why_hung  # noqa: E402  (tools/why_hung.py: which process is in which collective, from those dumps)
 
 TIMEOUT = timedelta(seconds=3)  # short here, so that the failure shows in seconds
 WORK = 6.0  # seconds of evaluation in all: longer than the timeout when one rank does it alone
@@ -67,8 +68,11 @@ def main():
     try:
         mp.spawn(worker, args=(args.fixed, folder), nprocs=2)
     except mp.ProcessExitedException:
-        lines, verdict = why_hung.report(folder)  # what `make why-hung RUN=folder` prints
-        print(*lines, sep="\n")
+        # which process is in which collective, from those dumps: `make why-hung RUN=folder`
+        report = subprocess.run([sys.executable, REPO / "tools" / "why_hung.py", folder], capture_output=True)
+        said = report.stdout.decode() or report.stderr.decode()  # its last line: the verdict, or its error
+        print(said, end="")
+        verdict = said.strip().splitlines()[-1].removeprefix("verdict: ")
         sys.exit(
             f"cause: {verdict}: it works alone ({WORK:g} s) past the {TIMEOUT.seconds} s timeout; fix: share "
             "the work among the ranks (--fixed), or a barrier whose timeout covers the work"
