@@ -157,3 +157,11 @@ def test_nothing_under_examples_imports_from_tools():
     tools = {path.stem for path in (EXAMPLES.parent / "tools").glob("*.py")}
     for path in EXAMPLES.rglob("*.py"):
         assert not imported(path) & tools, path
+
+
+def test_no_function_of_the_gpt_package_is_over_60_lines():
+    """Each function of examples/gpt reads on one screen: 60 lines at most, docstring included."""
+    for path in (EXAMPLES / "gpt").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno < 60, f"{path.name}: {node.name}"

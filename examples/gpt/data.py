@@ -121,26 +121,8 @@ def open_shards(folder, vocab_size=None):
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"--data {folder}: its {prepare.MANIFEST} cannot be read: {exc}") from None
-    if manifest is None:  # nanoGPT's layout: no manifest, uint16 ids
-        found = {}
-        for name in prepare.SHARDS:
-            path = folder / f"{name}.bin"
-            if not path.is_file():
-                raise DataError(f"--data {folder}: neither a {prepare.MANIFEST} nor {path.name} in it")
-            size = path.stat().st_size
-            found[name] = {"file": path.name, "tokens": size // 2, "bytes": size}
-        tokenizer, digest = None, None
-        if (folder / prepare.TOKENIZER).is_file():
-            try:
-                tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
-            except tok.TokenizerError as exc:
-                raise DataError(f"--data {folder}: {exc}") from None
-        size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
-        if size > 2**16:
-            raise DataError(f"--data {folder}: nanoGPT's .bin files hold uint16 ids, below 65536: a "
-                            f"vocabulary of {size} tokens does not fit them")  # fmt: skip
-        manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
-        return Corpus(folder, manifest, tokenizer, digest)
+    if manifest is None:
+        return open_nanogpt(folder, vocab_size)
     if not isinstance(vocab, int) or not 0 < vocab <= 2 ** (8 * dtype.itemsize):  # uint16: ids below 65536
         raise DataError(
             f"--data {folder}: {prepare.MANIFEST} says a vocabulary of {vocab} tokens in "
@@ -164,6 +146,29 @@ def open_shards(folder, vocab_size=None):
             f"--data {folder}: the shards are from another tokenizer: the manifest names {spec['sha256']}, "
             f"{spec['file']} is {digest}"
         )
+    return Corpus(folder, manifest, tokenizer, digest)
+
+
+def open_nanogpt(folder, vocab_size):
+    """nanoGPT's layout: train.bin and val.bin of uint16 ids, no manifest."""
+    found = {}
+    for name in prepare.SHARDS:
+        path = folder / f"{name}.bin"
+        if not path.is_file():
+            raise DataError(f"--data {folder}: neither a {prepare.MANIFEST} nor {path.name} in it")
+        size = path.stat().st_size
+        found[name] = {"file": path.name, "tokens": size // 2, "bytes": size}
+    tokenizer, digest = None, None
+    if (folder / prepare.TOKENIZER).is_file():
+        try:
+            tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
+        except tok.TokenizerError as exc:
+            raise DataError(f"--data {folder}: {exc}") from None
+    size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
+    if size > 2**16:
+        raise DataError(f"--data {folder}: nanoGPT's .bin files hold uint16 ids, below 65536: a "
+                        f"vocabulary of {size} tokens does not fit them")  # fmt: skip
+    manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
     return Corpus(folder, manifest, tokenizer, digest)
 
 
