@@ -23,7 +23,8 @@ import pytest_timeout
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "harness"), str(REPO / "benchmarks")]  # the tests import steps, lessons, k8s_check
+# the one sys.path edit of the suite: the tests import steps, k8s_check, lessons (benchmarks/), why_hung
+sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools")]
 import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"

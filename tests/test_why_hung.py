@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import why_hung as report_tool  # tools/why_hung.py (tools/ is on the path: conftest)
+import why_hung as report_tool  # tools/why_hung.py
 from conftest import (
     GPT_ON_PATH,
     GPU_ENV,
