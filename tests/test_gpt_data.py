@@ -257,12 +257,12 @@ def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is
 
 
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
-    names = ("config", "model", "snapshots", "data")
-    config, model_mod, snapshots, data = (import_gpt_module(n) for n in names)
+    names = ("config", "model", "train_state", "data")
+    config, model_mod, train_state, data = (import_gpt_module(n) for n in names)
     _, args = config.parse_args(["--model", "gpt2", "--dtype", "fp32"])
     assert args.tokenizer == "bpe" and data.GPT2_VOCAB == 50257  # text --data gets a BPE of this size
     with torch.device("meta"):
-        model = model_mod.GPT(snapshots.model_config(args, data.GPT2_VOCAB))
+        model = model_mod.GPT(train_state.model_config(args, data.GPT2_VOCAB))
     cfg = model.cfg
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
     count = model_mod.parameter_count(model, non_embedding=False)

@@ -24,7 +24,7 @@ import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from snapshots import all_ranks, snapshot_config
+from train_state import all_ranks, snapshot_config
 from trainer import Trainer, setup_processes
 
 

@@ -10,16 +10,16 @@ from datetime import timedelta
 import data
 import guards
 import parallel
-import snapshots
 import torch
 import torch.distributed as dist
+import train_state
 from config import resolve_dtype
 from memory import MemoryHistory, MemoryMeter
 from metrics import Metrics, RankTimes
 from model import GPT, flops_per_token, optimizer_groups, parameter_count
-from snapshots import all_ranks, model_config
 from torch.distributed.tensor.experimental import implicit_replication
 from traces import StepProfiler
+from train_state import all_ranks, model_config
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [
@@ -102,13 +102,13 @@ class Trainer:
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike
         torch.manual_seed(args.seed + 1 + self.dp_rank)
         if snapshot is not None:
-            snapshots.restore(self, snapshot)
+            train_state.restore(self, snapshot)
         self.peak = peak_flops(args, device)
 
     def save(self, rng):
-        """A collective: snapshots.save. Returns the seconds it took."""
+        """A collective: train_state.save. Returns the seconds it took."""
         start = time.perf_counter()
-        snapshots.save(self, rng)
+        train_state.save(self, rng)
         self.log(f"saved {self.args.snapshot_path} at step {self.step}")
         return time.perf_counter() - start
 
@@ -205,7 +205,7 @@ class Trainer:
             if profiler:
                 profiler.at_step(self.step + 1)
             reads = meter.active = save.due or self.reads(self.step + 1)
-            rng = reads and snapshots.rng_state(self.device)  # what a snapshot before the update holds
+            rng = reads and train_state.rng_state(self.device)  # what a snapshot before the update holds
             verdict = self.train_step(bool(stop))
             self.checks.add(self.step + 1, verdict)
             if reads:
@@ -241,7 +241,7 @@ class Trainer:
             if last and not math.isfinite(val_loss):
                 raise guards.Diverged(f"the validation loss became {val_loss} at step {self.step}")
         if last:
-            self.save(snapshots.rng_state(self.device))
+            self.save(train_state.rng_state(self.device))
         return time.perf_counter() - start
 
     def log_interval(self, loss, norm, steps, seconds):

@@ -9,9 +9,9 @@ import sys
 import checkpoint
 import data
 import preempt
-import snapshots
+import train_state
 from config import parse_args
-from snapshots import snapshot_config
+from train_state import snapshot_config
 from trainer import Trainer, setup_processes
 
 sys.argv = sys.argv[1:]
@@ -21,7 +21,7 @@ snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
 rank, world, device = setup_processes()
 trainer = Trainer(args, corpus, snapshot, rank, world, device)
 path, args.snapshot_path = args.snapshot_path, "resaved"
-snapshots.save(trainer, snapshots.rng_state(device))
+train_state.save(trainer, train_state.rng_state(device))
 args.snapshot_path = path
 trainer.train(preempt.StopRequest())
 sys.stdout.flush()
