@@ -529,6 +529,7 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
         (["--max_steps", "0"], "--max_steps must be positive, got 0"),
         (["--batch_size", "-4"], "--batch_size must be positive, got -4"),
         (["--grad_accum", "0"], "--grad_accum must be positive, got 0"),
+        (["--n_head", "0"], "--n_head must be positive, got 0"),  # before --n_embd % --n_head
         (["--n_embd", "30", "--n_head", "4"], "--n_embd 30 is not a multiple of --n_head 4"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),

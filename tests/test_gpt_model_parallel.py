@@ -163,6 +163,7 @@ def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):  # noqa: F8
         (4, ["--parallel", "zero", "--dp_shard", "2"], "--parallel zero splits AdamW's state over plain"),
         (2, ["--parallel", "fsdp", "--tp", "2"], "--parallel fsdp is shorthand for --dp_shard 2"),
         (2, ["--pp", "0", "--tp", "2"], "--pp must be positive, got 0"),
+        (2, ["--parallel", "pp", "--pp_microbatches", "0"], "--pp_microbatches must be positive, got 0"),
     ],
 )
 def test_sizes_that_do_not_split_get_an_argparse_error(monkeypatch, capsys, world, args, message):
@@ -317,8 +318,8 @@ TP_ONE_RE = re.compile(
 
 def tp_at_world_size_1(tmp_path, env=None):
     """tests/programs/tp_one_process.py under torchrun: (backend, first loss, last loss)."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROGRAMS / "tp_one_process.py", TRAIN.parent]
-    proc = run(cmd, timeout=300, cwd=tmp_path, env=env)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROGRAMS / "tp_one_process.py"]
+    proc = run(cmd, timeout=300, cwd=tmp_path, env={**GPT_ON_PATH, **(env or {})})
     found = TP_ONE_RE.search(proc.stdout)
     assert found, proc.stdout[-3000:]
     return found[1], float(found[2]), float(found[3])

@@ -159,7 +159,7 @@ def model_options(p):
     return lambda args: [
         *positive(args, "n_layer", "n_head", "n_embd", "block_size"),
         (
-            args.n_embd % args.n_head == 0,
+            args.n_head <= 0 or args.n_embd % args.n_head == 0,  # (a zero is refused above)
             f"--n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}",
         ),
         (0 <= args.dropout < 1, f"--dropout must be in [0, 1), got {args.dropout}"),
@@ -468,7 +468,7 @@ def layout_checks(args, layout, cuda):
                 "one block per stage",
             ),
             (
-                args.batch_size % args.pp_microbatches == 0,
+                args.pp_microbatches <= 0 or args.batch_size % args.pp_microbatches == 0,
                 f"--pp {layout.pp}: --pp_microbatches {args.pp_microbatches} does not divide --batch_size "
                 f"{args.batch_size}",
             ),

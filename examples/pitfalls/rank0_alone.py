@@ -70,9 +70,10 @@ def main():
     except mp.ProcessExitedException:
         # which process is in which collective, from those dumps: `make why-hung RUN=folder`
         report = subprocess.run([sys.executable, REPO / "tools" / "why_hung.py", folder], capture_output=True)
-        said = report.stdout.decode() or report.stderr.decode()  # its last line: the verdict, or its error
+        said = report.stdout.decode() + report.stderr.decode()  # its last line: the verdict, or its error
         print(said, end="")
-        verdict = said.strip().splitlines()[-1].removeprefix("verdict: ")
+        lines = said.strip().splitlines() or ["no report"]
+        verdict = lines[-1].removeprefix("verdict: ")
         sys.exit(
             f"cause: {verdict}: it works alone ({WORK:g} s) past the {TIMEOUT.seconds} s timeout; fix: share "
             "the work among the ranks (--fixed), or a barrier whose timeout covers the work"

@@ -1,7 +1,7 @@
 """Tensor parallel at world size 1 through the trainer's own functions, on the device this machine has (NCCL
 on a GPU, gloo on a CPU): apply_tp's plan, fused AdamW over the DTensors, loss parallel, torch's clipping,
 the checks and the skip on the device. 8 steps on one batch; prints whether every parameter is a DTensor
-and the first and last loss. Run by torchrun with one process (sys.argv[1]: examples/gpt)."""
+and the first and last loss. Run by torchrun with one process, examples/gpt on PYTHONPATH."""
 
 from types import SimpleNamespace
 
