@@ -57,8 +57,7 @@ def main():
         report = subprocess.run([sys.executable, REPO / "tools" / "why_hung.py", folder], capture_output=True)
         said = report.stdout.decode() + report.stderr.decode()  # its last line: the verdict, or its error
         print(said, end="")
-        lines = said.strip().splitlines() or ["no report"]
-        verdict = lines[-1].removeprefix("verdict: ")
+        verdict = (said.strip().splitlines() or ["no report"])[-1].removeprefix("verdict: ")
         sys.exit(
             f"cause: mismatched collectives: {verdict}; fix: the same collectives in the same order on every "
             "rank (--fixed)"

@@ -43,16 +43,14 @@ def worker(rank, fixed, folder):
         else:
             if rank == 0:
                 evaluate(1.0)
-            # monitored_barrier instead of a bare timeout in the next collective: the rank that waited
-            # says whom it waited for (a late rank other than 0 is named by rank 0)
+            # monitored_barrier, not a bare collective: the rank that waited says whom it waited for
             dist.monitored_barrier(timeout=TIMEOUT)
     except RuntimeError as exc:
         hang.dump(folder, rank, 2, exc)  # and ask the other process to dump too
         message = " ".join(str(exc).split(" Original exception:")[0].split())  # without gloo's source path
         sys.exit(f"seen: rank {rank}: {message[:240]}")
     if rank == 0:
-        each = f"{WORK / 2:g} s each"
-        print(f"fixed: both ranks evaluated half ({each}), met within {TIMEOUT.seconds} s", flush=True)
+        print(f"fixed: each rank evaluated half ({WORK / 2:g} s), met within {TIMEOUT.seconds} s", flush=True)
     dist.destroy_process_group()
 
 
@@ -68,12 +66,10 @@ def main():
     try:
         mp.spawn(worker, args=(args.fixed, folder), nprocs=2)
     except mp.ProcessExitedException:
-        # which process is in which collective, from those dumps: `make why-hung RUN=folder`
         report = subprocess.run([sys.executable, REPO / "tools" / "why_hung.py", folder], capture_output=True)
         said = report.stdout.decode() + report.stderr.decode()  # its last line: the verdict, or its error
         print(said, end="")
-        lines = said.strip().splitlines() or ["no report"]
-        verdict = lines[-1].removeprefix("verdict: ")
+        verdict = (said.strip().splitlines() or ["no report"])[-1].removeprefix("verdict: ")
         sys.exit(
             f"cause: {verdict}: it works alone ({WORK:g} s) past the {TIMEOUT.seconds} s timeout; fix: share "
             "the work among the ranks (--fixed), or a barrier whose timeout covers the work"
