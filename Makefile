@@ -198,10 +198,10 @@ image-ray: ## the image plus Ray, for compose/ray.yaml (RAY_IMAGE=ddp-examples-r
 	docker build --target ray $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(RAY_IMAGE) .
 
 # What the image is built from (the Dockerfile, .dockerignore and the files its ! lines let in), as one
-# checksum that `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the image is missing,
-# was built from other files, or from another BASE_IMAGE than one given; otherwise they run the image as
-# `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a machine without
-# a registry that built on local/ddp-base:bookworm keeps building on it.
+# checksum that `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the
+# image is missing, was built from other files, or from another BASE_IMAGE than one given; otherwise they
+# run the image as `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a
+# machine without a registry that built on local/ddp-base:bookworm keeps building on it.
 IMAGE_INPUTS = Dockerfile .dockerignore $(shell sed -n 's/^!//p' .dockerignore)
 IMAGE_FILES = $(shell find $(IMAGE_INPUTS) -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort)
 IMAGE_SUM = $(shell sha256sum $(IMAGE_FILES) | sha256sum | cut -c1-16)
@@ -260,7 +260,7 @@ RUN ?=
 why-hung: $(ENV) ## which process hangs where, from the dumps of a timeout in RUN/hang: make why-hung RUN=FOLDER
 	$(PY) tools/why_hung.py $(RUN)
 
-# ==== Benchmarks: benchmarks/lessons.py (every launcher side by side) and benchmarks/allreduce.py ============
+# ==== Benchmarks: benchmarks/lessons.py (every launcher side by side) and benchmarks/allreduce.py ====
 # make bench BENCH_ARGS=--full        longer runs; any option of benchmarks/lessons.py goes in BENCH_ARGS
 # make bench-allreduce ALLREDUCE_ARGS="--max_bytes 16M"
 BENCH_ARGS ?=
@@ -281,7 +281,7 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 gpu-check: $(ENV) ## on a GPU machine: the GPU tests, then GPT-2 small bf16 eager and compiled (about 6 min)
 	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) harness/gpu_check.sh
 
-test: $(ENV) ## run the test suite (about 45 minutes on 2 CPU cores; see test-quick)
+test: $(ENV) ## run the test suite (about 65 minutes on 2 CPU cores; see test-quick)
 	$(PY) -m pytest $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py

@@ -58,7 +58,7 @@ class Checks:
             norm = norm if norm_ok else norms
             if loss_ok:
                 self.losses.append(loss)
-            if (loss_ok and norm_ok) or (loss_ok and self.scaled):
+            if loss_ok and (norm_ok or self.scaled):
                 continue
             what, value = ("loss", loss) if not loss_ok else ("gradient norm", norm)
             if self.skipped >= self.skip_nonfinite:

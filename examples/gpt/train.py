@@ -56,7 +56,7 @@ def main():
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         failure.fail(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
-             "--snapshot_path on a filesystem that every node shares")  # fmt: skip
+                     "--snapshot_path on a filesystem that every node shares")  # fmt: skip
     leads = rank == args.layout.leader  # the process that speaks for all
     if snapshot is not None and leads:
         source = args.snapshot_path if "shards" in snapshot else args.init_from

@@ -205,7 +205,7 @@ class Trainer:
             if profiler:
                 profiler.at_step(self.step + 1)
             reads = meter.active = save.due or self.reads(self.step + 1)
-            rng = reads and train_state.rng_state(self.device)  # what a snapshot before the update holds
+            rng = train_state.rng_state(self.device) if reads else None  # what a save before the update holds
             verdict = self.train_step(bool(stop))
             self.checks.add(self.step + 1, verdict)
             if reads:
