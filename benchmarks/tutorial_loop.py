@@ -9,9 +9,9 @@ zero_grad, forward, the tutorial's F.cross_entropy, backward and step; per epoch
 batch size and one line printed; every save_every epochs the model's state saved. Cross-entropy over a single
 output is identically zero, so this loop learns nothing, like the tutorial's: it measures what a step
 costs. `--loss mse` takes the lessons' loss instead (one fused operation, cheaper than the cross-entropy's
-several), for a like-for-like comparison of the loops. One addition, so that the bench reads it like the
-lessons: each epoch appends {"epoch", "loss", "samples_per_s"} to --metrics_path, the loss being the epoch's
-last batch's, which costs nothing per step.
+several), for a like-for-like comparison of the loops. One addition, for the bench to read (the lessons
+print their figures instead): each epoch appends {"epoch", "loss", "samples_per_s"} to --metrics_path,
+the loss being the epoch's last batch's, which costs nothing per step.
 """
 
 import argparse

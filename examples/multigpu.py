@@ -1,41 +1,45 @@
-"""Step 2: DDP on one machine, one process per GPU (or 2 on the CPU), started by torch.multiprocessing.
+"""Step 2: DDP on one machine, a process per GPU (or 2 on the CPU), started by mp.spawn.
 
-python multigpu.py 10 5 [--nproc 4]    # every process trains on its share of each batch
+python multigpu.py 10 5 [--nproc 4]    # each process trains on its share of each batch
 """
 
 import argparse
-import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
+
+# before any process group: imported later (by DDP), it keeps the group alive at exit
+import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def ddp_setup(rank, world_size, timeout):
-    """Join the process group that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
+def ddp_setup(rank, world_size, port, timeout):
+    """Join the process group through the store the parent process holds."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)  # one GPU per process: the current device from here on
+        torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore("localhost", port, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # this process, all of them
-        self.device, self.model = device, model.to(device)
-        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
-        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
-        # DDP: every process starts from rank 0's weights, and backward() averages the gradients
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.args = args
+        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        # every process starts from rank 0's weights; backward() averages the gradients
+        self.model = DDP(self.model)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -45,10 +49,12 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new, seeded order: each process takes its share
+        # a new order every epoch, each process taking its share
+        self.train_data.sampler.set_epoch(epoch)
         losses = []
         for source, targets in self.train_data:
-            source, targets = source.to(self.device), targets.to(self.device)
+            source = source.to(self.device)
+            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -56,143 +62,132 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             start = time.perf_counter()
             loss = self._run_epoch(epoch)
-            dist.all_reduce(loss)  # the sum of every process's mean loss
-            if self.rank == 0:  # one process logs and saves for all
-                log_epoch(self.args, epoch + 1, loss, start, len(self.train_data.dataset), self.world_size)
-                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
-        check_replicas(self.model.module, self.epochs_run < self.args.total_epochs)
+            # the mean of every process's loss; one process logs and saves for all
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
+            if dist.get_rank() == 0:
+                log_epoch(self.args, epoch + 1, loss, start, dist.get_world_size())
+            last = epoch + 1 == self.args.total_epochs
+            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
+                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+        check_replicas(self.model.module)
 
 
-def main(rank, world_size, args):
-    ddp_setup(rank, world_size, args.timeout)
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    rank = f"[rank {dist.get_rank()}/{dist.get_world_size()}]"
-    print(f"{rank} {device}, {dist.get_backend()}\n", end="", flush=True)  # one write: the line stays whole
+def main(rank, world_size, port, args):
+    ddp_setup(rank, world_size, port, args.timeout)
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    # one write, so that the lines of several processes do not mix
+    sys.stdout.write(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
-    sampler = DistributedSampler(train_set, seed=args.seed)  # each process: every world_size-th sample
+    # each process takes every world_size-th sample
+    sampler = DistributedSampler(train_set, seed=args.seed)
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
-    dist.destroy_process_group()  # a group still pinned (see imports): exit aborts, docs/troubleshooting.md
+    dist.destroy_process_group()
 
 
-# Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.
-def get_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def check_replicas(model):
+    """DDP keeps the replicas identical: count the ranks whose weights equal rank 0's."""
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    same = torch.tensor([float(torch.equal(mine, rank0))], device=mine.device)
+    dist.all_reduce(same)
+    if dist.get_rank() == 0:
+        print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks")
+
+
+def refuse(message):
+    """Every process meets it alike: rank 0 says it and fails, the others end quietly."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0:
+        sys.exit(message)
+    sys.exit(0)
+
+
+# Below: the same in every lesson (tests/test_structure.py checks it).
+def get_args(parser):
+    """The arguments every lesson takes; bad input stops here, exit status 2."""
+    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
-    parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
-    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0, plain SGD)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
-    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
-    parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
-    parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
-    parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png)")
-    parser.add_argument("--dataset_size", type=int, default=2048, help="samples when generated")
-    return parser
-
-
-def check_args(parser, args):
-    """Bad input ends here, before anything runs or is written: a message and exit status 2."""
-    for name in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
-        if getattr(args, name) <= 0:
-            parser.error(f"{name} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.momentum < 1:
-        parser.error(f"momentum must be at least 0 and below 1, got {args.momentum}")
-    folder = args.data_dir
-    if folder and not (args.workload == "vision" and os.path.isdir(folder) and any(os.scandir(folder))):
-        parser.error(f"--data_dir {folder}: needs --workload vision and class folders (class/image.png)")
+    parser.add_argument("save_every", type=int, help="epochs between snapshots")
+    parser.add_argument("--batch_size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny")
+    parser.add_argument("--dataset_size", type=int, default=2048)
+    args = parser.parse_args()
+    for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
+        if getattr(args, key) <= 0:
+            parser.error(f"{key} must be positive, got {getattr(args, key)}")
+    return args
 
 
 def load_train_objs(args):
-    """The dataset, the model, its optimizer and its loss function: the same in every process."""
-    torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
-    if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
-        hidden = torch.randn(20, 1)
-        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as from files
-        train_set = [(x, x @ hidden + 0.01 * torch.randn(1)) for x in inputs]
+    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    torch.manual_seed(args.seed)
+    if args.workload == "tiny":  # linear regression toward hidden weights
+        inputs = torch.randn(args.dataset_size, 20)
+        targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
-    else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
-        from torchvision import datasets, models, transforms
+    else:  # ResNet-18 on images made of a pattern per class plus noise
+        from torchvision.models import resnet18
 
-        if args.data_dir:
-            to_tensor = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
-            train_set = datasets.ImageFolder(args.data_dir, to_tensor)
-        else:
-            labels = torch.randint(10, (args.dataset_size,))
-            images = torch.randn(10, 3, 32, 32)[labels] + torch.randn(args.dataset_size, 3, 32, 32)
-            train_set = list(zip(images, labels, strict=True))
-        classes = len(train_set.class_to_idx) if args.data_dir else 10
-        model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    foreach = torch.cuda.is_available()  # torch's default (foreach on GPUs), set once, not every step
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
-    return train_set, model, optimizer, loss_fn
+        targets = torch.randint(10, (args.dataset_size,))
+        inputs = torch.randn(10, 3, 32, 32)[targets] + torch.randn(args.dataset_size, 3, 32, 32)
+        model, loss_fn = resnet18(num_classes=10), F.cross_entropy
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
+    return TensorDataset(inputs, targets), model, optimizer, loss_fn
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous snapshot whole."""
+    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(tmp := f"{path}.tmp.{os.getpid()}", "wb") as f:
-        torch.save({**state, "EPOCHS_RUN": epochs_run}, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it the snapshot
-    os.replace(tmp, path)
+    torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
+    os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(path, model, optimizer, device, total_epochs):
-    """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
+def load_snapshot(args, model, optimizer, device):
+    """Restore the model and optimizer; return the epochs already run."""
+    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
-    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # speaks for all
-    try:  # weights_only: tensors and plain containers only, a file that would run code is refused
+    try:
+        # weights_only: tensors and plain containers; a file that runs code is refused
         snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
-        epochs_run = int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage fails in many ways: the type and the whole reason (keys, shapes)
-        message = f"error: cannot resume from snapshot {path} ({type(exc).__name__}: {str(exc).strip()})"
-        sys.exit(f"{message}. It is left untouched: move it away." if first else 0)  # the others end quietly
-    end = ", nothing to train: raise total_epochs to go on" if epochs_run >= total_epochs else ""
-    if first:  # a finished run in the GPT trainer's words (examples/gpt/train.py); one line, not print's two
-        print(f"resuming from {path}: {epochs_run} epochs already run{end}\n", end="", flush=True)
-    return epochs_run
+    except Exception as exc:
+        refuse(f"error: cannot resume from {path}: {exc!r}. Move it away to start again.")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
+    return snapshot["EPOCHS_RUN"]
 
 
-def log_epoch(args, epoch, loss, start, samples, world_size=1):
-    loss, seconds = loss.item() / world_size, time.perf_counter() - start
-    record = {"epoch": epoch, "loss": loss, "samples_per_s": samples / seconds, "world_size": world_size}
-    speed = f"{samples / seconds:.0f} samples/s | {seconds:.2f} s | world_size {world_size}"
-    print(f"epoch {epoch}/{args.total_epochs} | loss {loss:.6g} | {speed}", flush=True)
-    if args.metrics_path:
-        with open(args.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def check_replicas(model, trained):
-    """DDP keeps the replicas identical: rank 0 counts the processes whose weights equal its own."""
-    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    dist.broadcast(rank0 := mine.clone(), src=0)
-    dist.reduce(same := torch.tensor(float(torch.equal(mine, rank0)), device=mine.device), dst=0)  # 1 or 0
-    if dist.get_rank() == 0 and trained:  # after nothing to train, nothing to report
-        print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks", flush=True)
+def log_epoch(args, epoch, loss, start, world_size):
+    """The epoch's loss (the mean over the processes) and its speed."""
+    speed = args.dataset_size / (time.perf_counter() - start)
+    progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
+    print(f"{progress} | {speed:.0f} samples/s | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":
-    parser = get_parser()
-    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2, help="one per GPU, or 2")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
-    check_args(parser, args := parser.parse_args())
-    if ((gpus := torch.cuda.device_count()) and args.nproc > gpus) or args.nproc < 1:
-        parser.error(f"--nproc must be between 1 and the number of GPUs ({gpus or 'any'}), got {args.nproc}")
-    os.environ.setdefault("MASTER_ADDR", "localhost")  # where rank 0 hosts the group
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    args = get_args(parser)
+    gpus = torch.cuda.device_count()
+    if args.nproc < 1 or (gpus > 0 and args.nproc > gpus):
+        parser.error(f"--nproc must be between 1 and the number of GPUs ({gpus}), got {args.nproc}")
     try:
-        with socket.create_server(("", int(os.environ.get("MASTER_PORT", 0)))) as s:  # as rank 0 will; unset:
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])  # a port that nothing on this machine uses
-        mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)
-    except OSError as exc:  # create_server: the port is taken, and nothing has started
-        parser.error(f"MASTER_PORT={os.environ['MASTER_PORT']}: {os.strerror(exc.errno)}: unset it")
-    except mp.ProcessExitedException as exc:  # the process said why before it ended: no traceback here
-        sys.exit(exc.exit_code)
+        # the group's meeting point, held here: nothing else can take its port meanwhile
+        store = dist.TCPStore("localhost", int(os.environ.get("MASTER_PORT", 0)), is_master=True)
+    except dist.DistNetworkError:
+        parser.error(f"MASTER_PORT={os.environ['MASTER_PORT']} is taken: unset it to use a free port")
+    try:
+        mp.spawn(main, args=(args.nproc, store.port, args), nprocs=args.nproc)
+    except mp.ProcessExitedException as exc:
+        sys.exit(exc.exit_code)  # the process said why

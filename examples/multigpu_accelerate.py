@@ -4,7 +4,6 @@ torchrun --standalone --nproc-per-node=2 multigpu_accelerate.py 10 5    # or: ac
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -12,25 +11,29 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group: imported later (by DDP) it pins the group and exit aborts
+
+# before any process group: imported later (by DDP), it keeps the group alive at exit
+import torch.distributed.nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from torch.utils.data import DataLoader, RandomSampler
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, accelerator, args):
+    def __init__(self, model, train_data, optimizer, loss_fn, device, accelerator, args):
         self.accelerator = accelerator
-        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        # torch.load cannot map to accelerate's name for the CPU, "cpu:0": say "cpu"
-        self.device = device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device
         self.model = model.to(device)
-        self.train_data, self.optimizer, self.loss_fn, self.args = train_data, optimizer, loss_fn, args
-        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device, args.total_epochs)
-        self.order = train_data.sampler.generator  # the shuffling, which prepare() keeps using
-        # prepare(): DDP around the model, and every process given its share of each epoch's batches
-        self.model, self.optimizer, self.train_data = accelerator.prepare(self.model, optimizer, train_data)
+        self.loss_fn = loss_fn
+        self.device = device
+        self.args = args
+        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        # the shuffling generator, which prepare() keeps using
+        self.order = train_data.sampler.generator
+        # prepare(): DDP around the model, each process given its share of every batch
+        prepared = accelerator.prepare(self.model, optimizer, train_data)
+        self.model, self.optimizer, self.train_data = prepared
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -40,10 +43,12 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.order.manual_seed(self.args.seed + epoch)  # a new, seeded order
+        # a new order every epoch, the same in every run
+        self.order.manual_seed(self.args.seed + epoch)
         losses = []
         for source, targets in self.train_data:
-            source, targets = source.to(self.device), targets.to(self.device)
+            source = source.to(self.device)
+            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -51,155 +56,141 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             start = time.perf_counter()
             loss = self._run_epoch(epoch)
-            loss = self.accelerator.reduce(loss, reduction="sum")  # the sum of every process's mean loss
-            if self.rank == 0:  # one process logs and saves for all
-                log_epoch(self.args, epoch + 1, loss, start, len(self.train_data.dataset), self.world_size)
-                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
-                    model = self.accelerator.unwrap_model(self.model)
-                    save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
-        check_replicas(self.accelerator.unwrap_model(self.model), self.epochs_run < self.args.total_epochs)
+            # the mean of every process's loss; one process logs and saves for all
+            loss = self.accelerator.reduce(loss, reduction="mean")
+            if dist.get_rank() == 0:
+                log_epoch(self.args, epoch + 1, loss, start, dist.get_world_size())
+            last = epoch + 1 == self.args.total_epochs
+            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
+                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+        check_replicas(self.accelerator.unwrap_model(self.model))
 
 
-def main(args):
-    # without CUDA, cpu=True makes it gloo: plain Accelerator() would let each process train alone
-    wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))  # for the other processes
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
-    rank = f"[rank {accelerator.process_index}/{accelerator.num_processes}]"
-    device = torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device  # not "cpu:0"
-    print(f"{rank} {device}, {dist.get_backend()}\n", end="", flush=True)  # one write: the line stays whole
-    train_set, model, optimizer, loss_fn = load_train_objs(args)
-    sampler = RandomSampler(train_set, generator=torch.Generator())  # one order, split by prepare()
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    Trainer(model, train_data, optimizer, loss_fn, accelerator, args).train()
-    accelerator.end_training()  # destroys the group; one still held (see imports) could abort the exit
-
-
-def refuse(message):  # under torchrun: said once, in its closing summary (the error file), rank 0 last
-    if not isinstance(message, str) or not os.getenv("TORCHELASTIC_ERROR_FILE"):  # a status, or no torchrun
-        sys.exit(message)
-    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:  # as torch.distributed.elastic's @record does
-        json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
-    sys.exit(0 if os.environ["LOCAL_RANK"] != "0" else time.sleep(3) or 2)  # the others end first, quietly
-
-
-# Below: the same in every step (tests/test_structure.py checks), so that the lesson above reads first.
-def get_parser():
+@record
+def main():
+    """torchrun's summary shows an error of this function, written to its error file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    parser.error = refuse
+    args = get_args(parser)
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared_store and os.environ.get("TORCHELASTIC_MAX_RESTARTS") != "0":
+        refuse("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
+    # cpu=True without CUDA: gloo, where plain Accelerator() lets each process train alone
+    wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
+    rank = accelerator.process_index
+    world_size = accelerator.num_processes
+    # not accelerator.device: torch.load cannot map to its name for the CPU, "cpu:0"
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
+    # one write, so that the lines of several processes do not mix
+    sys.stdout.write(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n")
+    train_set, model, optimizer, loss_fn = load_train_objs(args)
+    # one shuffled order, split between the processes by prepare()
+    sampler = RandomSampler(train_set, generator=torch.Generator())
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    Trainer(model, train_data, optimizer, loss_fn, device, accelerator, args).train()
+    accelerator.end_training()
+
+
+def check_replicas(model):
+    """DDP keeps the replicas identical: count the ranks whose weights equal rank 0's."""
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    same = torch.tensor([float(torch.equal(mine, rank0))], device=mine.device)
+    dist.all_reduce(same)
+    if dist.get_rank() == 0:
+        print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks")
+
+
+class Refusal(Exception):
+    """Bad input, which every process meets alike."""
+
+
+def refuse(message):
+    """Local rank 0 fails with the message, shown in torchrun's summary; the others end quietly."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if os.environ["LOCAL_RANK"] != "0":
+        sys.exit(0)
+    raise Refusal(message)
+
+
+# Below: the same in every lesson (tests/test_structure.py checks it).
+def get_args(parser):
+    """The arguments every lesson takes; bad input stops here, exit status 2."""
+    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
-    parser.add_argument("save_every", type=int, help="write a snapshot every this many epochs")
-    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0, plain SGD)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data, weights and shuffling")
-    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt", help="resume from, save to")
-    parser.add_argument("--metrics_path", help="append one JSON line per epoch to this file")
-    parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny", help="default: tiny")
-    parser.add_argument("--data_dir", help="vision: an ImageFolder tree (class/image.png)")
-    parser.add_argument("--dataset_size", type=int, default=2048, help="samples when generated")
-    return parser
-
-
-def check_args(parser, args):
-    """Bad input ends here, before anything runs or is written: a message and exit status 2."""
-    for name in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
-        if getattr(args, name) <= 0:
-            parser.error(f"{name} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.momentum < 1:
-        parser.error(f"momentum must be at least 0 and below 1, got {args.momentum}")
-    folder = args.data_dir
-    if folder and not (args.workload == "vision" and os.path.isdir(folder) and any(os.scandir(folder))):
-        parser.error(f"--data_dir {folder}: needs --workload vision and class folders (class/image.png)")
+    parser.add_argument("save_every", type=int, help="epochs between snapshots")
+    parser.add_argument("--batch_size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--workload", choices=["tiny", "vision"], default="tiny")
+    parser.add_argument("--dataset_size", type=int, default=2048)
+    args = parser.parse_args()
+    for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
+        if getattr(args, key) <= 0:
+            parser.error(f"{key} must be positive, got {getattr(args, key)}")
+    return args
 
 
 def load_train_objs(args):
-    """The dataset, the model, its optimizer and its loss function: the same in every process."""
-    torch.manual_seed(args.seed)  # same data and initial weights in every process and every run
-    if args.workload == "tiny":  # linear regression toward hidden weights: the loss falls fast
-        hidden = torch.randn(20, 1)
-        inputs = [torch.randn(20) for _ in range(args.dataset_size)]  # a tensor per sample, as from files
-        train_set = [(x, x @ hidden + 0.01 * torch.randn(1)) for x in inputs]
+    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    torch.manual_seed(args.seed)
+    if args.workload == "tiny":  # linear regression toward hidden weights
+        inputs = torch.randn(args.dataset_size, 20)
+        targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
         model, loss_fn = torch.nn.Linear(20, 1), F.mse_loss
-    else:  # ResNet-18 on an ImageFolder tree, or on synthetic images: a pattern per class plus noise
-        from torchvision import datasets, models, transforms
+    else:  # ResNet-18 on images made of a pattern per class plus noise
+        from torchvision.models import resnet18
 
-        if args.data_dir:
-            to_tensor = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
-            train_set = datasets.ImageFolder(args.data_dir, to_tensor)
-        else:
-            labels = torch.randint(10, (args.dataset_size,))
-            images = torch.randn(10, 3, 32, 32)[labels] + torch.randn(args.dataset_size, 3, 32, 32)
-            train_set = list(zip(images, labels, strict=True))
-        classes = len(train_set.class_to_idx) if args.data_dir else 10
-        model, loss_fn = models.resnet18(num_classes=classes), F.cross_entropy
-    foreach = torch.cuda.is_available()  # torch's default (foreach on GPUs), set once, not every step
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=foreach)
-    return train_set, model, optimizer, loss_fn
+        targets = torch.randint(10, (args.dataset_size,))
+        inputs = torch.randn(10, 3, 32, 32)[targets] + torch.randn(args.dataset_size, 3, 32, 32)
+        model, loss_fn = resnet18(num_classes=10), F.cross_entropy
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
+    return TensorDataset(inputs, targets), model, optimizer, loss_fn
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous snapshot whole."""
+    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(tmp := f"{path}.tmp.{os.getpid()}", "wb") as f:
-        torch.save({**state, "EPOCHS_RUN": epochs_run}, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it the snapshot
-    os.replace(tmp, path)
+    torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
+    os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(path, model, optimizer, device, total_epochs):
-    """Restore model and optimizer from the snapshot, if there is one; return the epochs it holds."""
+def load_snapshot(args, model, optimizer, device):
+    """Restore the model and optimizer; return the epochs already run."""
+    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
-    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # speaks for all
-    try:  # weights_only: tensors and plain containers only, a file that would run code is refused
+    try:
+        # weights_only: tensors and plain containers; a file that runs code is refused
         snapshot = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
-        epochs_run = int(snapshot["EPOCHS_RUN"])
-    except Exception as exc:  # garbage fails in many ways: the type and the whole reason (keys, shapes)
-        message = f"error: cannot resume from snapshot {path} ({type(exc).__name__}: {str(exc).strip()})"
-        sys.exit(f"{message}. It is left untouched: move it away." if first else 0)  # the others end quietly
-    end = ", nothing to train: raise total_epochs to go on" if epochs_run >= total_epochs else ""
-    if first:  # a finished run in the GPT trainer's words (examples/gpt/train.py); one line, not print's two
-        print(f"resuming from {path}: {epochs_run} epochs already run{end}\n", end="", flush=True)
-    return epochs_run
+    except Exception as exc:
+        refuse(f"error: cannot resume from {path}: {exc!r}. Move it away to start again.")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
+    return snapshot["EPOCHS_RUN"]
 
 
-def log_epoch(args, epoch, loss, start, samples, world_size=1):
-    loss, seconds = loss.item() / world_size, time.perf_counter() - start
-    record = {"epoch": epoch, "loss": loss, "samples_per_s": samples / seconds, "world_size": world_size}
-    speed = f"{samples / seconds:.0f} samples/s | {seconds:.2f} s | world_size {world_size}"
-    print(f"epoch {epoch}/{args.total_epochs} | loss {loss:.6g} | {speed}", flush=True)
-    if args.metrics_path:
-        with open(args.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def check_replicas(model, trained):
-    """DDP keeps the replicas identical: rank 0 counts the processes whose weights equal its own."""
-    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    dist.broadcast(rank0 := mine.clone(), src=0)
-    dist.reduce(same := torch.tensor(float(torch.equal(mine, rank0)), device=mine.device), dst=0)  # 1 or 0
-    if dist.get_rank() == 0 and trained:  # after nothing to train, nothing to report
-        print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks", flush=True)
+def log_epoch(args, epoch, loss, start, world_size):
+    """The epoch's loss (the mean over the processes) and its speed."""
+    speed = args.dataset_size / (time.perf_counter() - start)
+    progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
+    print(f"{progress} | {speed:.0f} samples/s | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":
-    parser = get_parser()
-    parser.add_argument("--timeout", type=float, default=120, help="seconds a process waits for the others")
-    if os.getenv("TORCHELASTIC_ERROR_FILE"):  # started by torchrun: an error is said once, in its summary
-        parser.error = lambda message: refuse(f"error: {message}")
-    check_args(parser, args := parser.parse_args())
     if "LOCAL_RANK" not in os.environ:
-        parser.error(f"start me with torchrun: torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
-    if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
-        parser.error("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
-    if torch.cuda.device_count() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
-        parser.error(f"--nproc-per-node must be at most the number of GPUs ({torch.cuda.device_count()})")
+        usage = f"error: start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ..."
+        print(usage, file=sys.stderr)
+        sys.exit(2)
     try:
-        main(args)
-    except SystemExit as exc:  # a refusal once the group is up (rank 0's, a snapshot that does not fit)
-        dist.destroy_process_group()  # first: exit with the group's threads running can abort
-        refuse(exc.code)  # the other processes: 0, they end quietly
+        main()
+    except Refusal:
+        sys.exit(2)  # said in torchrun's summary

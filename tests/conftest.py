@@ -291,7 +291,7 @@ def import_gpt_module(name):
 # single_gpu.py's run that DDP with 2 processes of batch 32 must equal, step for step: run once per session
 # (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
 REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
-REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9", "--metrics_path", "metrics.jsonl"]
+REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9"]
 EXIT_PROBE = {"PYTHONPATH": str(SITES / "exit_probe")}  # each process reports its threads at exit
 
 

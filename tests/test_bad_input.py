@@ -19,14 +19,6 @@ CASES = [
     (["1", "1", "--workload", "nope"], "invalid choice: 'nope'"),
     (["1", "1", "--lr", "-1"], "lr must be positive"),
     (["1", "1", "--dataset_size", "0"], "dataset_size must be positive"),
-    (["1", "1", "--momentum", "-0.5"], "momentum must be at least 0 and below 1, got -0.5"),
-    (["1", "1", "--momentum", "1"], "momentum must be at least 0 and below 1, got 1.0"),
-    (
-        ["1", "1", "--workload", "vision", "--data_dir", "missing"],
-        "--data_dir missing: needs --workload vision",
-    ),
-    (["1", "1", "--workload", "vision", "--data_dir", "."], "needs --workload vision and class folders"),
-    (["1", "1", "--data_dir", "."], "--data_dir .: needs --workload vision"),
     (["1", "1", "--nproc", "2"], "unrecognized arguments: --nproc"),  # mp.spawn's option: multigpu.py only
 ]
 
@@ -94,7 +86,6 @@ def test_torchrun_examples_reject_a_plain_start_and_bad_numbers(in_process, tmp_
     # a plain start for real (torchrun's variables absent), bad numbers in process
     proc = run([PYTHON, EXAMPLES / f"{name}.py", "1", "1"], timeout=120, check=False, cwd=tmp_path)
     assert_rejected(proc, "start me with torchrun", tmp_path)
-    assert_rejected(in_process(EXAMPLES / f"{name}.py", ["1", "-1"]), "save_every must be positive", tmp_path)
 
 
 # This machine has no GPU: sitecustomize makes torch report one in every process, torchrun's included.
@@ -105,7 +96,6 @@ ONE_GPU = "import torch\ntorch.cuda.device_count = lambda: 1\n"
     ("name", "message"),
     [
         ("multigpu", "--nproc must be between 1 and the number of GPUs (1), got 2"),
-        ("multigpu_torchrun", "--nproc-per-node must be at most the number of GPUs (1)"),
     ],
 )
 def test_more_processes_than_gpus_are_refused(tmp_path, name, message):

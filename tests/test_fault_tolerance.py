@@ -47,14 +47,15 @@ from conftest import (
 ARGS = [6, 1, "--dataset_size", 16384, "--seed", 7, "--momentum", 0.9]
 
 
-def wait_for_epochs(metrics, count, proc, limit=300):
+def wait_for_epochs(snapshot, count, proc, limit=300):
+    """Until the snapshot (written every epoch) holds count epochs."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         assert proc.poll() is None, "training ended before the kill"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+        if snapshot.exists() and load_snapshot(snapshot)["EPOCHS_RUN"] >= count:
             return
         time.sleep(0.05)
-    pytest.fail(f"no {count} epochs logged within {limit}s")
+    pytest.fail(f"no {count} epochs saved within {limit}s")
 
 
 # What restarts the lesson's processes after a failure: the command its docstring shows, verbatim.
@@ -133,11 +134,11 @@ def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tm
     code, out, snapshot = run_documented_restart(tmp_path / "run", command.split(" ", 1)[1], TRIAL_BOUND)
     assert code != 0 and not snapshot.exists(), out[-3000:]
     # the fix suggested is the documented command's start (--standalone), not another launch
-    message = f"error: restarts need {' '.join(command.split()[:3])} ..."
+    message = f"  Refusal: restarts need {' '.join(command.split()[:3])} ..."
     assert out.count("restarts need") == 1, out[-3000:]
-    summary = out.rstrip().splitlines()
-    assert summary[-1].startswith("=====") and summary[-2] == f"  traceback : {message}", out[-3000:]
-    assert "<NO_OTHER_FAILURES>" in out and "usage:" not in out and "epoch 1/" not in out, out[-3000:]
+    summary = [line for line in out.rstrip().splitlines() if line.strip()]
+    assert summary[-1].startswith("=====") and summary[-2] == message, out[-3000:]
+    assert "usage:" not in out and "epoch 1/" not in out, out[-3000:]
 
 
 # What torchrun gives each worker (its local rank, a fresh error file per worker and round); with the store
@@ -151,8 +152,8 @@ SHARED_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTAR
 def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     lesson, local_rank, refusal, tmp_path, monkeypatch, capsys
 ):
-    """A refusal (restarts that share the store, a bad argument) goes to the process's error file, in the
-    format of torch.distributed.elastic's record; each node's local rank 0 fails, the others end quietly.
+    """A refusal (restarts that share the store, a bad argument) goes to the process's error file through
+    torch.distributed.elastic's record; each node's local rank 0 fails, the others end quietly.
     No process prints it: torchrun's closing summary does, once per node, last. The command the store
     refusal suggests starts as the lesson's documented one. (The lesson's __main__ runs here, in this
     process, as in tests/test_bad_input.py.)"""
@@ -167,44 +168,25 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     monkeypatch.setattr(sys, "argv", [str(script), "1" if refusal == "store" else "0", "1"])
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
+    if local_rank != "0":  # ends quietly, and torchrun reads no error file of a process that succeeded
+        runpy.run_path(str(script), run_name="__main__")
+        out = capsys.readouterr()
+        assert out.out + out.err == "" and not list(tmp_path.iterdir()), out
+        return
     with pytest.raises(SystemExit) as exited:
         runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr()
     assert out.out + out.err == "", out
     assert sorted(os.listdir(tmp_path)) == ["error.json"]  # nothing else written
-    if local_rank != "0":  # torchrun reads the error files of failed processes only
-        assert exited.value.code == 0
-        return
     assert exited.value.code == 2
     message = json.loads(error_file.read_text())["message"]["message"]
     documented = ast.get_docstring(ast.parse(script.read_text())).splitlines()[2].split()[:2]
-    store = f"error: restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
-    assert message == (store if refusal == "store" else "error: total_epochs must be positive, got 0")
+    store = f"restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
+    said = store if refusal == "store" else "total_epochs must be positive, got 0"
+    assert message == f"Refusal: {said}"
     # torchrun's own reader of error files: what its closing summary prints for this failure
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
-    assert f"traceback : {message}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
-
-
-@pytest.mark.parametrize("lesson", TORCHRUN_LESSONS)
-def test_refuse_passes_an_exit_status_on_and_says_a_message_itself_where_torchrun_gave_no_error_file(
-    lesson, tmp_path, monkeypatch
-):
-    """What is not a message (a status from torch, 0 from a process that leaves the saying to rank 0) ends
-    the process with that status, writing nothing: torchrun's summary cannot print a number as a message.
-    Without an error file (torchrun's --log-dir /dev/null sets it empty), the message ends the process
-    itself, on stderr, rather than a traceback about the file."""
-    error_file = tmp_path / "error.json"
-    refuse = runpy.run_path(str(EXAMPLES / f"{lesson}.py"))["refuse"]
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    for status in (1, 0, None):
-        with pytest.raises(SystemExit) as exited:
-            refuse(status)
-        assert exited.value.code == status and not error_file.exists()
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
-    with pytest.raises(SystemExit) as exited:
-        refuse("error: a reason")
-    assert exited.value.code == "error: a reason" and not list(tmp_path.iterdir())
+    assert f"  Refusal: {said}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
 
 
 def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path):
@@ -227,10 +209,10 @@ def test_a_killed_gpu_worker_is_restarted_and_the_run_ends_as_if_nothing_happene
     expected = load_snapshot(tmp_path / "clean" / "multigpu_torchrun_snapshot.pt")
 
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1"]
-    cmd += [EXAMPLES / "multigpu_torchrun.py", *ARGS, "--metrics_path", "m.jsonl"]
+    cmd += [EXAMPLES / "multigpu_torchrun.py", *ARGS]
     agent = start_torchrun_agent(cmd, tmp_path, env)
     try:
-        wait_for_epochs(tmp_path / "m.jsonl", 2, agent)
+        wait_for_epochs(tmp_path / "multigpu_torchrun_snapshot.pt", 2, agent)
         time.sleep(0.3)  # into the third epoch
         children = psutil.Process(agent.pid).children()
         workers = [p for p in children if any(a.endswith("multigpu_torchrun.py") for a in p.cmdline())]
@@ -245,7 +227,7 @@ def test_a_killed_gpu_worker_is_restarted_and_the_run_ends_as_if_nothing_happene
     assert resumed["EPOCHS_RUN"] == 6
     for part in ("MODEL_STATE", "OPTIMIZER_STATE"):  # bit for bit
         torch.testing.assert_close(resumed[part], expected[part], rtol=0, atol=0)
-    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    epochs = TrainLog(out).epochs
     # the epoch cut short is run again from its start; it was never logged, so every epoch appears once
     assert sorted(set(epochs)) == [1, 2, 3, 4, 5, 6] and epochs[-1] == 6, epochs
     assert TrainLog(out).ranks_in_sync == nproc
@@ -260,7 +242,7 @@ def test_spawn_names_a_port_that_is_already_taken(tmp_path):
         cmd = [PYTHON, EXAMPLES / "multigpu.py", 1, 1]
         proc = run(cmd, env={"MASTER_PORT": str(port)}, timeout=120, check=False, cwd=tmp_path)
     # refused before any process starts: one argparse line that names the port and the fix, no traceback
-    message = f"multigpu.py: error: MASTER_PORT={port}: Address already in use: unset it"
+    message = f"multigpu.py: error: MASTER_PORT={port} is taken: unset it to use a free port"
     assert proc.returncode == 2 and proc.stdout.rstrip().endswith(message), proc.stdout[-3000:]
     assert proc.stdout.count("MASTER_PORT") == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
     assert not list(tmp_path.iterdir())
@@ -281,17 +263,6 @@ def two_hosts():
     run(["bash", REPO / "harness/netns.sh", "up", name, free_subnet(), "a", "b"], timeout=60)
     yield name
     run(["bash", REPO / "harness/netns.sh", "down", name, "a", "b"], timeout=60)
-
-
-def test_spawn_gives_up_on_an_unreachable_master_within_the_timeout(tmp_path, two_hosts):
-    # On host a, MASTER_ADDR names host b, where nothing listens: rank 0 cannot reach its own store there.
-    cmd = ["ip", "netns", "exec", f"{two_hosts}-a", PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--timeout", 5]
-    start = time.monotonic()
-    proc = run(cmd, env={"MASTER_ADDR": "b"}, timeout=240, check=False, cwd=tmp_path)
-    seconds = time.monotonic() - start
-    assert proc.returncode != 0
-    assert re.search(r"timed out .* to connect to \(b, \d+\)", proc.stdout), proc.stdout[-3000:]
-    assert seconds < 5 + START_MARGIN, f"took {seconds:.0f} s with a 5 s timeout"
 
 
 def launch(endpoint, tmp_path, conf="join_timeout=5,read_timeout=5"):

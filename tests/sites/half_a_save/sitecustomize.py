@@ -14,10 +14,11 @@ def save(obj, f, *args, **kwargs):
     _calls.append(1)
     if len(_calls) < 2:
         return _save(obj, f, *args, **kwargs)
-    f.write(b"PK\x03\x04 the first half of a zip file")
-    f.flush()
-    if os.environ["HOW"] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    with open(f, "wb") as out:  # the lessons save to a path
+        out.write(b"PK\x03\x04 the first half of a zip file")
+        out.flush()
+        if os.environ["HOW"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
     raise OSError("disk full")
 
 
