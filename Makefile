@@ -69,7 +69,7 @@ IN_DOCKER ?=
 # works and two containers started alike (make multinode) are told apart by their process ids; RUNS is kept
 # in the named volume ddp-runs, so snapshots survive from one run to the next.
 RUN_PREFIX := docker run --rm --network host --pid host --shm-size=1g $(if $(filter-out 0,$(GPUS)),--gpus all) \
-  -e CUDA_VISIBLE_DEVICES -e TORCH_DISABLE_SHARE_RDZV_TCP_STORE -v ddp-runs:/app/runs $(IMAGE)
+  -e CUDA_VISIBLE_DEVICES -e TORCH_DISABLE_SHARE_RDZV_TCP_STORE -e OMP_NUM_THREADS -v ddp-runs:/app/runs $(IMAGE)
 ifeq ($(IN_DOCKER),1)
 PY := $(RUN_PREFIX) python
 TORCHRUN := $(RUN_PREFIX) torchrun

@@ -25,8 +25,9 @@ def ddp_setup(rank, world_size, port, timeout):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    store = dist.TCPStore("localhost", port, timeout=timedelta(seconds=timeout))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    wait = timedelta(seconds=timeout)
+    store = dist.TCPStore("localhost", port, timeout=wait)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
 
 
 class Trainer:

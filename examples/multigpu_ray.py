@@ -188,7 +188,7 @@ def log_epoch(args, epoch, loss, start, world_size):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray's HOST:PORT")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None, help="Ray's HOST:PORT")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the Ray head")
     args = get_args(parser)
     run_on_ray(parser, args)

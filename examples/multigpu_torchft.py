@@ -93,7 +93,7 @@ def main(args):
         Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     except (RuntimeError, TimeoutError) as exc:
         # torchft's bounded waits: say what they waited for
-        where = f"no quorum of {args.min_replicas} at {args.lighthouse} within {args.timeout:g} s"
+        where = f"no quorum of {args.min_replicas} at {args.lighthouse}: {args.timeout:g} s"
         sys.exit(f"error: {exc!r}\n{where}")
 
 

@@ -126,7 +126,7 @@ def refuse(message):
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
         sys.exit(0)
-    raise Refusal(message)
+    raise Refusal(message) from None
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).

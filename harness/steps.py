@@ -121,6 +121,9 @@ def main(argv=None):
         parser.error(f"--nproc must be positive, got {args.nproc}")
     if args.step == "multinode" and args.gpus >= 2:
         args.nproc = args.gpus // 2  # the GPUs split between the two local nodes
+    if args.step != "single_gpu":
+        # one thread a process where several share the cores: what torchrun sets, without its banner
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     python = shlex.split(args.python)
     commands = command(args.step, example_args, nproc=args.nproc, python=python, port=args.port)
     if args.dry_run:

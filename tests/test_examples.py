@@ -177,6 +177,8 @@ def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     places = {rank: (local, node) for rank, (_, _, local, _, node, _) in log.ranks.items()}
     assert places == {0: ("0", "0"), 1: ("1", "0"), 2: ("0", "1"), 3: ("1", "1")}, proc.stdout[-3000:]
     assert (tmp_path / "multinode" / "snapshot.pt").exists()
+    # make sets OMP_NUM_THREADS, as torchrun would, so torchrun's 4-line banner about it opens no run
+    assert "OMP_NUM_THREADS" not in proc.stdout, proc.stdout[:2000]
 
 
 def listening(port):

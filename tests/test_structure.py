@@ -18,8 +18,8 @@ MAX_LINES = dict.fromkeys(ALL, 208)
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson. Today's counts, each to come down to its aim (in brackets), which README.md quotes.
 DIFF_BOUND = {
-    ("single_gpu", "multigpu"): 89,  # (55) the group, the sampler, DDP, the replica check, a held port
-    ("multigpu", "multigpu_torchrun"): 73,  # (60) torchrun's environment, its summary for refusals
+    ("single_gpu", "multigpu"): 90,  # (55) the group, the sampler, DDP, the replica check, a held port
+    ("multigpu", "multigpu_torchrun"): 74,  # (60) torchrun's environment, its summary for refusals
     ("multigpu_torchrun", "multinode"): 20,  # (25) the nodes' snapshot check and where each rank runs
     ("multigpu_torchrun", "multigpu_accelerate"): 62,  # (60) Accelerator in place of the group and DDP
     ("multigpu_torchrun", "multigpu_ray"): 80,  # (65) the Ray driver, in place of torchrun's refusals

@@ -6,20 +6,18 @@
     timed_out(args, rank, world, exc)   a wait past --dist_timeout: every live process's stack, one line
     leave(status)                 how each of them ends the process (why: below)
 
-Alone, a message goes to stderr. Under torchrun it is said once, last, as the error of torchrun's closing
-summary, not once per process: every process writes it to the error file torchrun reads, and each node's
-local rank 0 exits with the status once the node's other processes have ended quietly (0), so that torchrun
-stops none of them and lists that one alone.
+Alone, a message goes to stderr. Under torchrun it is said once per node, as the error of torchrun's
+closing summary: each node's local rank 0 fails with it through torch's `record` (which writes the error
+file the summary reads), and the node's other processes end quietly (0).
 """
 
-import json
 import os
 import sys
-import time
 
 import checkpoint
 import hang
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def refuse(prog, message):
@@ -27,19 +25,26 @@ def refuse(prog, message):
     fail(f"{prog}: error: {message}", 2)
 
 
+class Failed(Exception):
+    """The message of a failure that every process meets alike."""
+
+
 def fail(message, status=1):
     """End the run with `message`, for a failure that every process meets alike."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        with open(error_file, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": int(time.time())}}}, f)
-        if os.environ.get("LOCAL_RANK", "0") != "0":
-            status = 0
-        else:
-            time.sleep(3)  # the node's other processes end first, quietly: torchrun then lists this one
-    else:
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         print(message, file=sys.stderr)
-    leave(status)
+        leave(status)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        leave(0)
+    try:
+        record(say)(message)
+    except Failed:
+        leave(status)
+
+
+def say(message):
+    """What record writes to torchrun's error file: this message, and no exception it was handling."""
+    raise Failed(message) from None
 
 
 def diverged(exc, snapshot_path):
