@@ -440,7 +440,8 @@ def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_su
     assert proc.returncode != 0
     assert proc.stdout.count("another configuration: n_layer 2 (this run: 3)") == 1, proc.stdout[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert summary[-1].startswith("=====") and summary[-2].startswith("  Failed: error: cannot resume")
+    assert summary[-1].startswith("=====")
+    assert summary[-2].startswith("  failure.Failed: error: cannot resume"), proc.stdout[-3000:]
     assert "exitcode  : 1" in proc.stdout, proc.stdout[-3000:]
     assert files(tmp_path) == before
 
