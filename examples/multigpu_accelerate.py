@@ -25,6 +25,8 @@ class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, accelerator, args):
         self.accelerator = accelerator
         self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
@@ -32,7 +34,7 @@ class Trainer:
         # the shuffling generator, which prepare() keeps using
         self.order = train_data.sampler.generator
         # prepare(): DDP around the model, each process given its share of every batch
-        prepared = accelerator.prepare(self.model, optimizer, train_data)
+        prepared = accelerator.prepare(self.model, self.optimizer, self.train_data)
         self.model, self.optimizer, self.train_data = prepared
 
     def _run_batch(self, source, targets):

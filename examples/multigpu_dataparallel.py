@@ -2,9 +2,7 @@
 
 python multigpu_dataparallel.py 10 5    # each batch split over the GPUs, gradients summed on GPU 0
 
-One process: no launcher and no process group, but every step copies the weights from GPU 0 to
-the others and gathers the outputs back there. PyTorch recommends DDP (multigpu.py) instead,
-even on one machine; it runs on the CPU too.
+PyTorch recommends DDP (multigpu.py) instead, even on one machine: it runs on the CPU too.
 """
 
 import argparse
