@@ -282,6 +282,7 @@ def import_gpt_module(name):
     try:
         spec = importlib.util.spec_from_file_location(f"gpt_{name}", EXAMPLES / "gpt" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its functions pickle by name (prepare.py's worker processes)
         spec.loader.exec_module(module)
         return module
     finally:

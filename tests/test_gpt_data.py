@@ -3,15 +3,19 @@ half written), nanoGPT's .bin files read as they are, memory-mapped shards whose
 memory unchanged, the tokenizer's digest in snapshots, GPT-2 small's shape, and bad input. BPE tokenizers
 are trained on a few hundred kilobytes of this repository's Python; runs use the tiny model."""
 
+import contextlib
 import io
 import json
+import os
+import pty
 import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, REPO, import_gpt_module, run
+from conftest import PROGRAMS, PYTHON, REPO, import_gpt_module, run
 from test_gpt import GPT, TRAIN, cache, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
@@ -125,6 +129,62 @@ def test_a_prepare_stopped_midway_leaves_no_half_shard_and_a_folder_refused_unti
     assert {name: content for name, (content, _) in tree(out).items()} == {
         name: content for name, (content, _) in new.items()
     }
+
+
+def test_a_file_read_in_pieces_encodes_as_the_whole_file(monkeypatch):
+    """prepare.py reads and encodes a file PIECE bytes at a time, cut at line breaks between two non-spaces,
+    where GPT-2's pre-tokenizer cuts anyway: the pieces join into the file, and a BPE trained on them and
+    encoding them gives the tokenizer and the ids of the whole file. Mutation: a cut after any line break
+    that a non-space follows ("\n\n" split from the text before): the ids differ."""
+    prepare_mod, tok = import_gpt_module("prepare"), import_gpt_module("tokenizer")
+    monkeypatch.setattr(prepare_mod, "PIECE", 512)
+    path = REPO / "harness" / "steps.py"
+    text = path.read_text()
+    pieces = list(prepare_mod.pieces([str(path)]))
+    assert len(pieces) > 3 and "".join(piece for piece, _ in pieces) == text
+    assert [last for _, last in pieces] == [False] * (len(pieces) - 1) + [True]
+    whole = tok.BPETokenizer.train([text], 600)
+    assert tok.BPETokenizer.train([piece for piece, _ in pieces], 600).to_str() == whole.to_str()
+    ids = torch.cat([whole.encode(piece) for piece, _ in pieces])
+    assert torch.equal(ids, whole.encode(text))
+
+
+def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):
+    """prepare.py streams: its peak RSS (one process, --workers 1: reading, training the BPE, encoding,
+    writing) with 12 MB of text (the standard library's source) stays within 1.2x of its peak with the
+    first 3 MB, and under 1.5 GB (905 and 945 MiB, torch's import 500 of them). Mutation: each file read and
+    encoded whole (PIECE = 1 << 30): 1126 and 2915 MiB."""
+    stdlib = "".join(piece for piece, _ in import_gpt_module("prepare").pieces(["stdlib"]))
+    peaks = {}
+    for name, size in (("small", len(stdlib) // 4), ("large", len(stdlib))):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "text.txt").write_text(stdlib[:size])
+        cmd = [PYTHON, PROGRAMS / "peak_rss.py", PREPARE, folder / "text.txt", "--out", folder / "out"]
+        proc = run([*cmd, "--workers", 1], timeout=600)
+        peaks[name] = int(re.search(r"^peak RSS (\d+)$", proc.stdout, re.M).group(1))
+        shutil.rmtree(folder)
+    print({name: f"{peak / 2**20:.0f} MiB" for name, peak in peaks.items()})
+    assert peaks["large"] <= 1.2 * peaks["small"] and peaks["large"] < 1.5 * 2**30, peaks
+
+
+def test_a_bpe_smaller_than_asked_says_why_and_a_terminal_sees_progress(tmp_path):
+    """A short text holds fewer merges than GPT-2's 50,257 tokens: prepare.py says so. On a terminal (stderr
+    a pty) it draws its progress, with the throughput; in a pipe nothing (the other tests)."""
+    (tmp_path / "short.txt").write_text("print('hello, world')\n" * 50)
+    main, child = pty.openpty()
+    cmd = [PYTHON, PREPARE, tmp_path / "short.txt", "--out", tmp_path / "out"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=child, text=True)
+    os.close(child)
+    terminal = b""
+    with contextlib.suppress(OSError):  # EIO once the process has closed the pty
+        while chunk := os.read(main, 4096):
+            terminal += chunk
+    os.close(main)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert re.search(r"^the BPE has \d+ tokens, not the 50257 asked: the text holds no more pairs", out, re.M)
+    assert re.search(rb"encoding +\[#+ *\] [\d.]+ MB, [\d.]+ MB/s", terminal), terminal
 
 
 def test_a_cache_folder_without_its_complete_manifest_is_prepared_again(tmp_path):

@@ -14,14 +14,19 @@ never a half shard under a shard's name, nor shards without a manifest (which wo
 """
 
 import argparse
+import codecs
+import collections
 import hashlib
 import json
+import multiprocessing
+import os
 import re
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
 import tokenizer as tok
 import torch
 from checkpoint import atomic_write, fsync_dir
@@ -40,6 +45,7 @@ class PrepareError(ValueError):
 # folders of the standard library that are not its source: tests, and packages installed into it
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 NOT_PRINTABLE = re.compile(r"[^\x20-\x7e\n]")
+PIECE = 1 << 20  # bytes of text read, and handed to a worker, at a time
 
 
 def stdlib_key():
@@ -48,25 +54,18 @@ def stdlib_key():
     return f"stdlib-{version}-{hashlib.sha256(sysconfig.get_paths()['stdlib'].encode()).hexdigest()[:8]}"
 
 
-def stdlib_files():
-    """Every *.py file of the standard library outside test folders, in path order: tabs become four
-    spaces, and only printable ASCII and newlines are kept."""
+def stdlib_paths():
+    """Every *.py file of the standard library outside test folders, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    parts = []
-    for path in sorted(root.rglob("*.py")):
-        if SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        parts.append(NOT_PRINTABLE.sub("", text.replace("\t", "    ")))
-    return parts
+    paths = sorted(root.rglob("*.py"))
+    return [path for path in paths if not SKIP_DIRS & set(path.relative_to(root).parts[:-1])]
 
 
 def text_files(source):
     """The files a source stands for: the file itself, or every file under a folder (sorted, hidden ones
     left out)."""
+    if source == "stdlib":
+        return stdlib_paths()
     path = Path(source)
     if path.is_file():
         return [path]
@@ -82,18 +81,61 @@ def text_files(source):
     raise PrepareError(f"{source}: no such file or folder")
 
 
-def read_text(path):
+def read_pieces(path, stdlib=False):
+    """A file's text, read PIECE bytes at a time and cut at a line break between two non-spaces: a BPE's
+    pre-tokenizer cuts there anyway, so the pieces encode as the whole file would. UTF-8 and the absence of
+    NUL are checked as it goes; the standard library's files become printable ASCII, tabs four spaces."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace" if stdlib else "strict")
+    read, rest = 0, ""
     try:
-        raw = path.read_bytes()
+        f = open(path, "rb")
     except OSError as exc:
+        if stdlib:
+            return
         raise PrepareError(f"{path}: cannot read it: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PrepareError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded)") from None
-    if "\0" in text:
-        raise PrepareError(f"{path}: not text (it holds NUL bytes)")
-    return text
+    with f:
+        while True:
+            raw = f.read(PIECE)
+            pending = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                at = read - pending + exc.start
+                raise PrepareError(f"{path}: not UTF-8 text (byte {at} cannot be decoded)") from None
+            read += len(raw)
+            if stdlib:
+                text = NOT_PRINTABLE.sub("", text.replace("\t", "    "))
+            elif "\0" in text:
+                raise PrepareError(f"{path}: not text (it holds NUL bytes)")
+            text = rest + text
+            if not raw:
+                break
+            cut = text.rfind("\n", 1, len(text) - 1)
+            while cut >= 1 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+                cut = text.rfind("\n", 1, cut)
+            rest = text[cut + 1 :]
+            if cut >= 1:
+                yield text[: cut + 1]
+    if text:
+        yield text
+
+
+def pieces(sources):
+    """(text, last) for every piece of every document, last True on a document's final piece; empty
+    documents left out."""
+    for source in sources:
+        for path in text_files(source):
+            held = None
+            for piece in read_pieces(path, stdlib=source == "stdlib"):
+                if held is not None:
+                    yield held, False
+                held = piece
+            if held:
+                yield held, True
+
+
+def corpus_bytes(sources):
+    return sum(path.stat().st_size for source in sources for path in text_files(source))
 
 
 def fingerprint(sources, kind, vocab_size, dtype):
@@ -108,19 +150,6 @@ def fingerprint(sources, kind, vocab_size, dtype):
             stat = path.stat()
             parts.append(f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def read_documents(sources):
-    docs = []
-    for source in sources:
-        if source == "stdlib":
-            docs += stdlib_files()
-        else:
-            docs += [read_text(path) for path in text_files(source)]
-    docs = [doc for doc in docs if doc]
-    if not docs:
-        raise PrepareError(f"{' '.join(sources)}: no text in it")
-    return docs
 
 
 def shard_dtype(vocab_size, dtype):
@@ -143,9 +172,10 @@ def is_prepared(out, key):
         return False
 
 
-def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print):
+def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print, workers=None):
     """Tokenize sources into out (see the module's docstring); returns the manifest. Raises PrepareError,
-    having written nothing, for input it cannot use."""
+    having written nothing, for input it cannot use. Memory stays flat: the text is read twice in pieces
+    (to train the tokenizer, then to encode it in `workers` processes) and the ids go to disk as they come."""
     out = Path(out)
     if kind == "bpe" and vocab_size <= 256:
         raise PrepareError(f"--vocab_size {vocab_size}: a byte-level BPE needs more than 256 tokens")
@@ -157,14 +187,39 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print)
         return json.loads((out / MANIFEST).read_text())
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out}: exists and is not a folder")
-    start = time.perf_counter()
-    docs = read_documents(sources)
-    tokenizer = tok.KINDS[kind].train(docs, vocab_size)
-    ids = tokenizer.encode_documents(docs) if kind == "bpe" else tokenizer.encode("".join(docs))
+    start, total = time.perf_counter(), corpus_bytes(sources)
+    reading = Progress("reading", total)
+    tokenizer = tok.KINDS[kind].train((text for text, _ in reading.each(pieces(sources))), vocab_size)
+    if reading.done == 0:
+        raise PrepareError(f"{' '.join(sources)}: no text in it")
+    if kind == "bpe" and tokenizer.vocab_size < vocab_size:
+        log(f"the BPE has {tokenizer.vocab_size} tokens, not the {vocab_size} asked: the text holds no more "
+            "pairs of tokens to merge; give more text for a larger vocabulary")  # fmt: skip
     dtype = shard_dtype(tokenizer.vocab_size, dtype)
-    cut = int(len(ids) * (1 - VAL_FRACTION))
-    parts = {"train": ids[:cut], "val": ids[cut:]}
     spec = tokenizer.to_str()
+    out.mkdir(parents=True, exist_ok=True)
+    # The manifest first says the folder is being written, so that it is never read as nanoGPT's shards
+    # (train.bin, no manifest) nor as prepared before the last file is in place; each file is written
+    # beside its name and renamed over it (atomic_write), the complete manifest last.
+    atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
+    atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
+    scratch = out / f"ids.tmp.{os.getpid()}"  # every id in order, split into the two shards at the end
+    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)  # of the training ids
+    try:
+        with open(scratch, "wb") as f:
+            for ids in encode(spec, Progress("encoding", total).each(pieces(sources)), workers):
+                f.write(ids.astype(dtype).tobytes())
+        tokens = scratch.stat().st_size // np.dtype(dtype).itemsize
+        sizes = {"train": int(tokens * (1 - VAL_FRACTION))}
+        sizes["val"] = tokens - sizes["train"]
+        with open(scratch, "rb") as f:
+            copy = {"train": counts, "val": None}
+            for name, size in sizes.items():
+                atomic_write(
+                    out / f"{name}.bin", lambda dest, n=size, c=copy[name]: copy_ids(f, dest, n, dtype, c)
+                )
+    finally:
+        scratch.unlink(missing_ok=True)
     manifest = {
         "format": FORMAT,
         "input": key,
@@ -176,37 +231,96 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print)
         },
         "dtype": dtype,
         "shards": {
-            name: {"file": f"{name}.bin", "tokens": len(part), "bytes": len(part) * DTYPES[dtype].itemsize}
-            for name, part in parts.items()
+            name: {"file": f"{name}.bin", "tokens": size, "bytes": size * np.dtype(dtype).itemsize}
+            for name, size in sizes.items()
         },
-        "unigram_entropy": unigram_entropy(parts["train"], tokenizer.vocab_size),
+        "unigram_entropy": unigram_entropy(counts),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    # The manifest first says the folder is being written, so that it is never read as nanoGPT's shards
-    # (train.bin, no manifest) nor as prepared before the last file is in place; each file is written
-    # beside its name and renamed over it (atomic_write), the complete manifest last.
-    atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
-    atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
-    for name, part in parts.items():
-        atomic_write(
-            out / f"{name}.bin", lambda f, part=part: f.write(part.to(DTYPES[dtype]).numpy().tobytes())
-        )
     atomic_write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
     fsync_dir(out)
     counts = ", ".join(f"{name} {s['tokens']}" for name, s in manifest["shards"].items())
     digest = manifest["tokenizer"]["sha256"]
+    seconds = time.perf_counter() - start
     log(
         f"wrote {out}: {kind} tokenizer of {tokenizer.vocab_size} tokens ({digest}), "
-        f"{dtype} shards of {counts} tokens in {time.perf_counter() - start:.1f} s"
+        f"{dtype} shards of {counts} tokens in {seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s)"
     )
     return manifest
 
 
-def unigram_entropy(ids, vocab_size):
-    """Cross-entropy in nats of predicting every token from the tokens' frequencies alone."""
-    counts = torch.bincount(ids.long(), minlength=vocab_size).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
+def copy_ids(src, dest, count, dtype, counts=None):
+    """count ids of dtype from the file src to dest, a block at a time; counts (if given) adds up each id."""
+    while count > 0:
+        block = np.fromfile(src, dtype=dtype, count=min(count, PIECE))
+        dest.write(block.tobytes())
+        if counts is not None:
+            counts += np.bincount(block, minlength=len(counts))
+        count -= len(block)
+
+
+def encode(spec, texts, workers=None):
+    """The ids of each (text, last) piece, in order, as numpy arrays: encoded in `workers` processes (the
+    cores by default), with at most two pieces a worker in flight."""
+    workers = workers or len(os.sched_getaffinity(0))
+    if workers == 1:
+        start_worker(spec)
+        yield from map(encode_piece, texts)
+        return
+    # forked workers encode a piece each, without threads: tokenizers' own stay off (and silent about the
+    # fork), torch's are one
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with multiprocessing.get_context("fork").Pool(workers, start_worker, (spec,)) as pool:
+        pending = collections.deque()
+        for text in texts:
+            pending.append(pool.apply_async(encode_piece, (text,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+WORKER = {}  # a worker process's tokenizer
+
+
+def start_worker(spec):
+    torch.set_num_threads(1)
+    WORKER["tokenizer"] = tok.from_str(spec, "the tokenizer being prepared")
+
+
+def encode_piece(item):
+    """One piece's ids; a document's last piece ends with the end-of-text token (BPE)."""
+    text, last = item
+    tokenizer = WORKER["tokenizer"]
+    ids = tokenizer.encode(text).numpy()
+    if last and tokenizer.kind == "bpe":
+        ids = np.append(ids, tokenizer.start_id())  # the end-of-text token
+    return ids
+
+
+class Progress:
+    """A progress line with the throughput, on a terminal (stderr) only; counts what went through each()."""
+
+    def __init__(self, label, total):
+        self.label, self.total, self.done = label, max(total, 1), 0
+        self.shown = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def each(self, items):
+        for item in items:
+            self.done += len(item[0])
+            if self.shown:
+                rate = self.done / 1e6 / max(time.perf_counter() - self.start, 1e-9)
+                bar = "#" * min(20, 20 * self.done // self.total)
+                sys.stderr.write(f"\r{self.label:9} [{bar:20}] {self.done / 1e6:.1f} MB, {rate:.1f} MB/s ")
+            yield item
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def unigram_entropy(counts):
+    """Cross-entropy in nats of predicting every token from the tokens' frequencies (counts) alone."""
+    p = counts[counts > 0] / max(counts.sum(), 1)
+    return float(-(p * np.log(p)).sum())
 
 
 def get_parser():
@@ -219,14 +333,17 @@ def get_parser():
     p.add_argument("--tokenizer", choices=tok.KINDS, default="bpe", help="byte-level BPE or characters (bpe)")
     p.add_argument("--vocab_size", type=int, default=50257, help="BPE: tokens in all, GPT-2's by default")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="of the shards (auto: fits)")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="encoding processes")
     return p
 
 
 def main():
     parser = get_parser()
     args = parser.parse_intermixed_args()  # sources before or after the options
+    if args.workers < 1:
+        parser.error(f"--workers must be positive, got {args.workers}")
     try:
-        prepare(args.sources, args.out, args.tokenizer, args.vocab_size, args.dtype)
+        prepare(args.sources, args.out, args.tokenizer, args.vocab_size, args.dtype, workers=args.workers)
     except (PrepareError, tok.TokenizerError) as exc:
         parser.error(str(exc))
 

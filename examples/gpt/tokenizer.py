@@ -24,8 +24,11 @@ class CharTokenizer:
 
     @classmethod
     def train(cls, texts, vocab_size=None):
-        codes = torch.unique(torch.cat([utf32(text) for text in texts]))
-        return cls("".join(map(chr, codes.tolist())))
+        """The distinct characters of texts (an iterable, read once), sorted."""
+        chars = set()
+        for text in texts:
+            chars.update(text)
+        return cls("".join(sorted(chars)))
 
     def encode(self, text):
         """A tensor of ids; every character of text must be in the vocabulary."""
@@ -68,16 +71,11 @@ class BPETokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is unknown
             show_progress=False,
         )
-        hf.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        hf.train_from_iterator(texts, trainer=trainer)  # texts: an iterable, read once
         return cls(hf)
 
     def encode(self, text):
         return torch.tensor(self.hf.encode(text).ids, dtype=torch.int64)
-
-    def encode_documents(self, texts):
-        """One tensor of ids: each document's, then the end-of-text token."""
-        eot = self.hf.token_to_id(EOT)
-        return torch.tensor([i for enc in self.hf.encode_batch(texts) for i in (*enc.ids, eot)])
 
     def decode(self, ids):
         return self.hf.decode(list(ids), skip_special_tokens=False)
