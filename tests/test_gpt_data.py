@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import pty
 import re
 import shutil
@@ -249,6 +250,49 @@ def test_nanogpt_bin_files_are_read_as_they_are(tmp_path, cache):
     proc = train(tmp_path, cache, "--data", folder, "--vocab_size", 65, *SHORT)
     assert "vocabulary 65, no tokenizer, 5000 training tokens" in proc.stdout, proc.stdout[-2000:]
     assert files_in(folder) == ["train.bin", "val.bin"]  # nothing written beside them
+
+
+def nanogpt_char_folder(folder, text):
+    """A folder as nanoGPT's shakespeare_char/prepare.py writes it: uint16 ids of the sorted characters, and
+    meta.pkl with vocab_size, itos and stoi."""
+    folder.mkdir()
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    ids = np.array([stoi[ch] for ch in text], dtype=np.uint16)
+    cut = int(len(ids) * 0.9)
+    ids[:cut].tofile(folder / "train.bin")
+    ids[cut:].tofile(folder / "val.bin")
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}
+    (folder / "meta.pkl").write_bytes(pickle.dumps(meta))
+    return len(chars)
+
+
+class RunsCode:
+    def __reduce__(self):
+        return os.system, ("touch ran",)
+
+
+def test_nanogpt_char_folders_train_their_own_vocabulary_and_a_meta_pkl_that_runs_code_is_refused(
+    tmp_path, cache
+):
+    """nanoGPT's shakespeare_char layout, given with --data alone, trains a model of meta.pkl's vocabulary
+    (its first validation loss near ln(vocabulary), not GPT-2's ln 50257 = 10.8) and decodes its samples
+    through itos. meta.pkl is read by an unpickler that admits plain data only: one that would call
+    os.system is refused in one line, exit 2, and nothing runs. Mutation: pickle.load in its place: the
+    command runs (the file `ran` appears) and training goes on."""
+    folder = tmp_path / "shakespeare_char"
+    vocab = nanogpt_char_folder(folder, (REPO / "README.md").read_text())
+    proc = train(tmp_path, cache, "--data", folder, *SHORT[:-2], "--sample_chars", 200)
+    assert f"vocabulary {vocab}, char tokenizer" in proc.stdout, proc.stdout[-2000:]
+    first = float(re.search(r"^step \d+ \| val loss ([0-9.]+)$", proc.stdout, re.M).group(1))
+    assert abs(first - np.log(vocab)) < 1, (first, vocab)
+    sample = proc.stdout.split("sample:\n", 1)[1]
+    assert re.search(r"[a-z]{2}", sample) and not re.fullmatch(r"[\d\s]+", sample), sample
+    (folder / "meta.pkl").write_bytes(pickle.dumps(RunsCode()))
+    proc = train(tmp_path, cache, "--data", folder, *SHORT, "--snapshot_path", "other", check=False)
+    message = f"train.py: error: --data {folder}: meta.pkl cannot be used: it names posix.system"
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1].startswith(message), proc.stdout
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "other").exists()
 
 
 def files_in(folder):

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import re
 import time
 import urllib.error
@@ -105,7 +106,8 @@ class Corpus:
 
 def open_shards(folder, vocab_size=None):
     """The Corpus of a folder that prepare.py wrote, or of nanoGPT's train.bin and val.bin (uint16, with
-    GPT-2's vocabulary unless vocab_size says otherwise; a tokenizer.json beside them decodes samples)."""
+    GPT-2's vocabulary unless vocab_size, or a tokenizer.json or nanoGPT's meta.pkl beside them, says
+    otherwise; those two also decode samples)."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / prepare.MANIFEST).read_text())
@@ -164,12 +166,37 @@ def open_nanogpt(folder, vocab_size):
             tokenizer, digest = tok.load(folder / prepare.TOKENIZER)
         except tok.TokenizerError as exc:
             raise DataError(f"--data {folder}: {exc}") from None
+    elif (folder / "meta.pkl").is_file():
+        tokenizer = read_meta(folder / "meta.pkl")
+        digest = tok.digest(tokenizer.to_str())
     size = vocab_size or (tokenizer.vocab_size if tokenizer else GPT2_VOCAB)
     if size > 2**16:
         raise DataError(f"--data {folder}: nanoGPT's .bin files hold uint16 ids, below 65536: a "
                         f"vocabulary of {size} tokens does not fit them")  # fmt: skip
     manifest = {"tokenizer": {"vocab_size": size}, "dtype": "uint16", "shards": found}
     return Corpus(folder, manifest, tokenizer, digest)
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Reads plain containers, strings and numbers; refuses any pickle that names a class or a function,
+    before anything is called: unpickling those is how a pickle runs code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, where only plain data may be")
+
+
+def read_meta(path):
+    """The character tokenizer of nanoGPT's meta.pkl (vocab_size, itos, stoi), read as plain data."""
+    try:
+        with open(path, "rb") as f:
+            meta = PlainUnpickler(f).load()
+        itos, size = meta["itos"], meta["vocab_size"]
+        vocab = "".join(itos[i] for i in range(size))
+        if len(vocab) != size or meta["stoi"] != {ch: i for i, ch in enumerate(vocab)}:
+            raise ValueError("itos and stoi are not one character per id, both ways")
+    except Exception as exc:  # a pickle that is not plain data, or not nanoGPT's layout
+        raise DataError(f"--data {path.parent}: {path.name} cannot be used: {exc}") from None
+    return tok.CharTokenizer(vocab)
 
 
 GPT2_VOCAB = 50257  # tokens of GPT-2's BPE: the vocabulary when none is given

@@ -31,14 +31,14 @@ class CharTokenizer:
         return cls("".join(sorted(chars)))
 
     def encode(self, text):
-        """A tensor of ids; every character of text must be in the vocabulary."""
+        """A tensor of ids; every character of text must be in the vocabulary (in any order)."""
         codes = utf32(text)
-        vocab = utf32(self.vocab)
-        ids = torch.searchsorted(vocab, codes).clamp_(max=len(vocab) - 1)
-        if len(codes) and not bool((vocab[ids] == codes).all()):
-            missing = chr(int(codes[vocab[ids] != codes][0]))
+        vocab, order = utf32(self.vocab).sort()
+        at = torch.searchsorted(vocab, codes).clamp_(max=len(vocab) - 1)
+        if len(codes) and not bool((vocab[at] == codes).all()):
+            missing = chr(int(codes[vocab[at] != codes][0]))
             raise TokenizerError(f"the character {missing!r} is not in the tokenizer's vocabulary")
-        return ids
+        return order[at]
 
     def decode(self, ids):
         return "".join(self.vocab[i] for i in ids)
