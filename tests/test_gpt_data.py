@@ -301,11 +301,16 @@ def files_in(folder):
 
 # ---- memory-mapped shards --------------------------------------------------------------------------------
 def random_shards(folder, tokens):
-    """nanoGPT-style shards of random ids below 256."""
+    """nanoGPT-style shards of random ids below 256, on disk and out of the page cache, as a corpus larger
+    than memory is (a file just written is cached in large pages, each mapped whole by the first read)."""
     folder.mkdir()
     gen = np.random.default_rng(1)
     for name, size in (("train", tokens), ("val", tokens // 10)):
-        gen.integers(0, 256, size, dtype=np.uint16).tofile(folder / f"{name}.bin")
+        path = folder / f"{name}.bin"
+        gen.integers(0, 256, size, dtype=np.uint16).tofile(path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return folder
 
 
@@ -315,8 +320,9 @@ def peak_rss(metrics):
 
 
 def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tmp_path, cache):
-    """Each of 2 DDP processes maps the shards and reads its own windows: with 20M tokens (40 MB; 160 MB as
-    the trainer's int64) instead of 1M, no process's peak RSS grows by more than 5%."""
+    """Each of 2 DDP processes maps the shards and reads its own windows, a page each: with 20M tokens (40 MB;
+    160 MB as the trainer's int64) instead of 1M, no process's peak RSS (VmHWM) grows by more than 2% (690.2
+    and 690.1 MiB). Mutation: a page of every 4 kB of the training shard read at start-up: 692 -> 727 MiB."""
     peaks = {}
     for name, tokens in (("small", 1_000_000), ("large", 20_000_000)):
         folder = random_shards(tmp_path / name, tokens)
@@ -333,7 +339,7 @@ def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tm
     assert sorted(peaks["small"]) == [0, 1]
     for rank, small in peaks["small"].items():
         large = peaks["large"][rank]
-        assert large <= small * 1.05, f"rank {rank}: peak RSS {small / 2**20:.0f} -> {large / 2**20:.0f} MiB"
+        assert large <= small * 1.02, f"rank {rank}: peak RSS {small / 2**20:.0f} -> {large / 2**20:.0f} MiB"
 
 
 # ---- tokenizers in runs and snapshots --------------------------------------------------------------------

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import re
@@ -78,11 +79,8 @@ class Corpus:
         self.vocab_size = manifest["tokenizer"]["vocab_size"]
         self.unigram = manifest.get("unigram_entropy")
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[manifest["dtype"]]
-        # shared=False: a private read-only mapping; pages are read when a window touches them
         self.train, self.val = (
-            torch.from_file(str(folder / s["file"]), shared=False, size=s["tokens"], dtype=dtype)
-            if s["tokens"]
-            else torch.empty(0, dtype=dtype)
+            map_ids(folder / s["file"], s["tokens"], dtype)
             for s in (manifest["shards"]["train"], manifest["shards"]["val"])
         )
 
@@ -102,6 +100,18 @@ class Corpus:
 
     def start_id(self):
         return 0 if self.tokenizer is None else self.tokenizer.start_id()
+
+
+def map_ids(path, tokens, dtype):
+    """The first `tokens` ids of a shard, mapped, not read: a page is read when a window touches it, and
+    only that page (MADV_RANDOM: no read-ahead), so that a process's memory does not grow with the corpus.
+    The mapping is private: nothing is ever written back."""
+    if tokens == 0:
+        return torch.empty(0, dtype=dtype)
+    with open(path, "rb") as f:
+        ids = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    ids.madvise(mmap.MADV_RANDOM)
+    return torch.frombuffer(ids, dtype=dtype, count=tokens)
 
 
 def open_shards(folder, vocab_size=None):

@@ -6,8 +6,8 @@ the end of every micro-batch's backward, where they peak: FSDP2 may then hold un
 (gradient sync off, as a pipeline stage does between its micro-batches), which are counted too.
 """
 
+import re
 import resource
-import sys
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -75,9 +75,8 @@ class MemoryMeter:
         state = [t for opt in optimizers(self.optimizer) for s in opt.state.values() for t in s.values()]
         if device.type == "cuda":
             peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
-        else:  # ru_maxrss: kilobytes on Linux, bytes on macOS
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            peak, peak_kind = rss if sys.platform == "darwin" else rss * 1024, "max_rss"
+        else:
+            peak, peak_kind = max_rss(), "max_rss"
         return {
             "params": sum(p.numel() for p in params.values()),
             "params_bytes": nbytes(params.values()),
@@ -102,3 +101,14 @@ class MemoryHistory:
         if self.path:
             torch.cuda.memory._dump_snapshot(self.path)
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def max_rss():
+    """This process's peak resident memory in bytes. On Linux VmHWM, its own: ru_maxrss also holds the peak
+    of the process that started it (a process started by vfork and exec keeps its parent's), so torchrun's
+    workers would report torchrun's, or their caller's."""
+    try:
+        with open("/proc/self/status") as status:
+            return int(re.search(r"^VmHWM:\s+(\d+) kB$", status.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):  # not Linux: ru_maxrss, in bytes on macOS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
