@@ -16,8 +16,8 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import PROGRAMS, PYTHON, REPO, import_gpt_module, run
-from test_gpt import GPT, TRAIN, cache, train
+from conftest import GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from test_gpt import GPT, TINY, TRAIN, cache, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
@@ -186,6 +186,37 @@ def test_a_bpe_smaller_than_asked_says_why_and_a_terminal_sees_progress(tmp_path
     assert proc.returncode == 0, out
     assert re.search(r"^the BPE has \d+ tokens, not the 50257 asked: the text holds no more pairs", out, re.M)
     assert re.search(rb"encoding +\[#+ *\] [\d.]+ MB, [\d.]+ MB/s", terminal), terminal
+
+
+def prepare_under_torchrun(tmp_path, text, seconds):
+    """2 processes under torchrun whose preparation of `text` takes `seconds` more than it would, with a
+    --timeout of 3 s: the process that prepares, and one that waits for it."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "slow_prepare.py", TRAIN]
+    cmd += ["--data", text, "--cache_dir", tmp_path / "cache", "--timeout", 3, *TINY, *SHORT]
+    env = {**GPT_ON_PATH, "SLOW_PREPARE": str(seconds), "OMP_NUM_THREADS": "1"}
+    return run(cmd, timeout=300, cwd=tmp_path, check=False, env=env)
+
+
+def test_processes_wait_for_a_slow_preparation_and_share_a_failed_one(tmp_path):
+    """Text given to train.py under torchrun is prepared by one process while the others wait on its lock
+    file: as long as it lives (it touches the lock every second), past their --timeout of 3 s (a preparation
+    of 10 s), each saying once what it waits for; the run trains. When the preparation fails, the process
+    that waited ends with the same message instead of preparing again: one `preparing` line, one message
+    (local rank 0's, in torchrun's summary), exit status 2. Mutations: no touching: the waiter gives up after 3 s
+    and the run never trains; no failure note: both processes prepare."""
+    (tmp_path / "text.txt").write_text((REPO / "README.md").read_text())
+    proc = prepare_under_torchrun(tmp_path, tmp_path / "text.txt", 10)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count("preparing in local rank") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("waiting for another process to build the char shards of") == 1, proc.stdout
+    assert "saved gpt_snapshot at step 4" in proc.stdout, proc.stdout[-3000:]
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "binary.txt").write_bytes(b"\x00\xff\xfe text")
+    proc = prepare_under_torchrun(tmp_path, tmp_path / "texts", 5)
+    message = f"--data {tmp_path / 'texts'}: {tmp_path / 'texts' / 'binary.txt'}: not UTF-8 text"
+    assert proc.returncode == 1 and re.search(r"exitcode +: 2 ", proc.stdout), proc.stdout[-3000:]
+    assert proc.stdout.count("preparing in local rank") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-3000:]
 
 
 def test_a_cache_folder_without_its_complete_manifest_is_prepared_again(tmp_path):

@@ -15,6 +15,7 @@ import mmap
 import os
 import pickle
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,25 +32,55 @@ class DataError(ValueError):
 
 
 @contextlib.contextmanager
-def file_lock(path, timeout):
-    """Hold an exclusive lock on path, so that one process builds a cached file while the others wait."""
+def file_lock(path, timeout, what):
+    """Hold an exclusive lock on path while this process builds `what`; the others wait. The holder touches
+    the lock file every second, and a waiter gives up only after `timeout` seconds without a touch: it waits
+    as long as the holder lives, however long building takes. A DataError raised while holding it is left
+    in path.failed for those that waited, which end with the same message instead of trying again."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    failed = path.with_suffix(".failed")
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        deadline = time.monotonic() + timeout
+        started, waited = time.time(), False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                if time.time() - max(os.fstat(fd).st_mtime, started) > timeout:
                     raise DataError(
-                        f"waited {timeout:.0f} s for {path}, held by another process preparing the data"
+                        f"waited for {what}: the process building it (holding {path}) gave no sign of life "
+                        f"for {timeout:.0f} s"
                     ) from None
-                time.sleep(0.1)
-        yield
+                if not waited:
+                    print(f"waiting for another process to build {what}", flush=True)
+                waited = True
+                time.sleep(0.2)
+        if waited and failed.exists() and failed.stat().st_mtime >= started:
+            raise DataError(failed.read_text())
+        failed.unlink(missing_ok=True)
+        alive = threading.Event()
+        beat = threading.Thread(target=touch_until, args=(path, alive), daemon=True)
+        beat.start()
+        try:
+            yield
+        except DataError as exc:
+            message = str(exc)
+            atomic_write(failed, lambda f: f.write(message.encode()))
+            raise
+        finally:
+            alive.set()
+            beat.join()
     finally:
         os.close(fd)  # releases the lock
+
+
+def touch_until(path, done):
+    """Set path's modification time now, and every second until done is set."""
+    while True:
+        os.utime(path)
+        if done.wait(1):
+            return
 
 
 def download(url, dest, timeout):
@@ -221,7 +252,7 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
     cache_dir = Path(cache_dir).expanduser()
     if re.match(r"https?://", source):
         path = cache_dir / f"url-{hashlib.sha256(source.encode()).hexdigest()[:16]}.txt"
-        with file_lock(path.with_suffix(".lock"), timeout):
+        with file_lock(path.with_suffix(".lock"), timeout, f"the download of {source}"):
             if not path.exists():
                 download(source, path, timeout)
     elif "://" in source:
@@ -231,12 +262,15 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
     sources, vocab_size = ["stdlib" if source == "stdlib" else str(path)], vocab_size or GPT2_VOCAB
     try:
         key = prepare.fingerprint(sources, kind, vocab_size, "auto")
-        out = cache_dir / f"prepared-{key}"
-        with file_lock(cache_dir / f"prepared-{key}.lock", timeout):
-            if not prepare.is_prepared(out, key):
-                prepare.prepare(sources, out, kind, vocab_size, log=lambda text: None)
     except prepare.PrepareError as exc:
         raise DataError(f"--data {source}: {exc}") from None
+    out = cache_dir / f"prepared-{key}"
+    with file_lock(cache_dir / f"prepared-{key}.lock", timeout, f"the {kind} shards of {source} in {out}"):
+        if not prepare.is_prepared(out, key):
+            try:
+                prepare.prepare(sources, out, kind, vocab_size, log=lambda text: None)
+            except prepare.PrepareError as exc:
+                raise DataError(f"--data {source}: {exc}") from None
     return open_shards(out)
 
 
