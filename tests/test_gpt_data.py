@@ -12,6 +12,7 @@ import pty
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,8 +203,8 @@ def test_processes_wait_for_a_slow_preparation_and_share_a_failed_one(tmp_path):
     file: as long as it lives (it touches the lock every second), past their --timeout of 3 s (a preparation
     of 10 s), each saying once what it waits for; the run trains. When the preparation fails, the process
     that waited ends with the same message instead of preparing again: one `preparing` line, one message
-    (local rank 0's, in torchrun's summary), exit status 2. Mutations: no touching: the waiter gives up after 3 s
-    and the run never trains; no failure note: both processes prepare."""
+    (local rank 0's, in torchrun's summary), exit status 2. Mutations: no touching: the waiter gives up
+    after 3 s and the run never trains; no failure note: both processes prepare."""
     (tmp_path / "text.txt").write_text((REPO / "README.md").read_text())
     proc = prepare_under_torchrun(tmp_path, tmp_path / "text.txt", 10)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -217,6 +218,30 @@ def test_processes_wait_for_a_slow_preparation_and_share_a_failed_one(tmp_path):
     assert proc.returncode == 1 and re.search(r"exitcode +: 2 ", proc.stdout), proc.stdout[-3000:]
     assert proc.stdout.count("preparing in local rank") == 1, proc.stdout[-3000:]
     assert proc.stdout.count(message) == 1, proc.stdout[-3000:]
+
+
+DOC_MARKER = "<!-- tests/test_gpt_data.py runs the next block as written -->"
+
+
+def test_the_own_data_commands_of_docs_gpt_md_run_as_written_after_the_default_run(tmp_path):
+    """docs/gpt.md's "Your own data" block, verbatim, in a folder laid out as the repository's root where
+    the default run's snapshot (gpt_snapshot) already is: every command succeeds and the training run
+    keeps to its own snapshot. Mutation: the block without --snapshot_path: the run ends in an error, on
+    the default run's snapshot."""
+    text = (REPO / "docs" / "gpt.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index(DOC_MARKER) :], re.S).group(1)
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "README.md", tmp_path)
+    (tmp_path / "gpt_snapshot").mkdir()  # what the default run leaves: untouched
+    (tmp_path / "gpt_snapshot" / "latest").write_text("step-300\n")
+    (tmp_path / "block.sh").write_text("set -e\n" + block)
+    env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(PYTHON).parent}:{os.environ['PATH']}"}
+    proc = run(["bash", tmp_path / "block.sh"], timeout=600, cwd=tmp_path, env=env)
+    assert "wrote data/mine: bpe tokenizer of 4096 tokens" in proc.stdout, proc.stdout[-3000:]
+    assert "wrote data/mine-char: char tokenizer" in proc.stdout, proc.stdout[-3000:]
+    assert "saved runs/mine at step 60" in proc.stdout, proc.stdout[-3000:]
+    assert [p.name for p in (tmp_path / "gpt_snapshot").iterdir()] == ["latest"]
 
 
 def test_a_cache_folder_without_its_complete_manifest_is_prepared_again(tmp_path):
