@@ -11,7 +11,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import pickle
 import re
@@ -134,15 +133,11 @@ class Corpus:
 
 
 def map_ids(path, tokens, dtype):
-    """The first `tokens` ids of a shard, mapped, not read: a page is read when a window touches it, and
-    only that page (MADV_RANDOM: no read-ahead), so that a process's memory does not grow with the corpus.
-    The mapping is private: nothing is ever written back."""
+    """The first `tokens` ids of a shard, mapped, not read: pages are read when a window touches them.
+    shared=False: a private mapping, nothing is ever written back."""
     if tokens == 0:
         return torch.empty(0, dtype=dtype)
-    with open(path, "rb") as f:
-        ids = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    ids.madvise(mmap.MADV_RANDOM)
-    return torch.frombuffer(ids, dtype=dtype, count=tokens)
+    return torch.from_file(str(path), shared=False, size=tokens, dtype=dtype)
 
 
 def open_shards(folder, vocab_size=None):
