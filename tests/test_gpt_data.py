@@ -422,6 +422,36 @@ def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is
     assert "Traceback" not in proc.stdout and tree(tmp_path / "gpt_snapshot") == before
 
 
+def test_a_bpe_snapshot_exported_to_hugging_face_loads_in_transformers_with_the_same_logits_and_tokens(
+    tmp_path, cache, bpe, texts
+):
+    """export.py --format hf writes a folder that transformers' GPT2LMHeadModel and PreTrainedTokenizerFast
+    load: on a text, the same token ids as our tokenizer, and logits within 1e-4 of our model's in float32
+    (2 heads: the fused attention's layout is converted). Mutation: the q, k, v rows left head by head: the
+    logits differ by about 0.1."""
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    train(tmp_path, cache, "--data", bpe, *SHORT, "--dropout", 0.1)
+    out = tmp_path / "hf"
+    cmd = [PYTHON, GPT / "export.py", "gpt_snapshot", out, "--format", "hf"]
+    proc = run(cmd, timeout=300, cwd=tmp_path)
+    assert f"wrote {out}: step 4" in proc.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files_in(out))
+    export, tok = import_gpt_module("export"), import_gpt_module("tokenizer")
+    state, model, _ = export.load_whole(tmp_path / "gpt_snapshot")
+    ours = tok.from_str(state["tokenizer"], "snapshot")
+    theirs = PreTrainedTokenizerFast.from_pretrained(out)
+    text = (texts / sorted(p.name for p in texts.iterdir())[0]).read_text()[:400]
+    ids = ours.encode(text)
+    assert theirs(text)["input_ids"] == ids.tolist()
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    model.eval()
+    with torch.no_grad():
+        mine = model(ids[None, :64])[..., : model.cfg.vocab_size]
+        other = hf(ids[None, :64]).logits
+    assert other.shape == mine.shape and (other - mine).abs().max() < 1e-4, (other - mine).abs().max()
+
+
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
     names = ("config", "model", "train_state", "data")
     config, model_mod, train_state, data = (import_gpt_module(n) for n in names)
