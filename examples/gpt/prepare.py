@@ -203,23 +203,7 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     # beside its name and renamed over it (atomic_write), the complete manifest last.
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
     atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
-    scratch = out / f"ids.tmp.{os.getpid()}"  # every id in order, split into the two shards at the end
-    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)  # of the training ids
-    try:
-        with open(scratch, "wb") as f:
-            for ids in encode(spec, Progress("encoding", total).each(pieces(sources)), workers):
-                f.write(ids.astype(dtype).tobytes())
-        tokens = scratch.stat().st_size // np.dtype(dtype).itemsize
-        sizes = {"train": int(tokens * (1 - VAL_FRACTION))}
-        sizes["val"] = tokens - sizes["train"]
-        with open(scratch, "rb") as f:
-            copy = {"train": counts, "val": None}
-            for name, size in sizes.items():
-                atomic_write(
-                    out / f"{name}.bin", lambda dest, n=size, c=copy[name]: copy_ids(f, dest, n, dtype, c)
-                )
-    finally:
-        scratch.unlink(missing_ok=True)
+    sizes, counts = write_shards(out, spec, tokenizer.vocab_size, sources, dtype, total, workers)
     manifest = {
         "format": FORMAT,
         "input": key,
@@ -246,6 +230,29 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
         f"{dtype} shards of {counts} tokens in {seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s)"
     )
     return manifest
+
+
+def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
+    """Encode the sources with the tokenizer `spec` into out's two shards, the ids going to disk as they
+    come; returns ({shard: tokens}, each id's count in the training shard)."""
+    scratch = out / f"ids.tmp.{os.getpid()}"  # every id in order, split into the two shards at the end
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    try:
+        with open(scratch, "wb") as f:
+            for ids in encode(spec, Progress("encoding", total).each(pieces(sources)), workers):
+                f.write(ids.astype(dtype).tobytes())
+        tokens = scratch.stat().st_size // np.dtype(dtype).itemsize
+        sizes = {"train": int(tokens * (1 - VAL_FRACTION))}
+        sizes["val"] = tokens - sizes["train"]
+        with open(scratch, "rb") as f:
+            copy = {"train": counts, "val": None}
+            for name, size in sizes.items():
+                atomic_write(
+                    out / f"{name}.bin", lambda dest, n=size, c=copy[name]: copy_ids(f, dest, n, dtype, c)
+                )
+    finally:
+        scratch.unlink(missing_ok=True)
+    return sizes, counts
 
 
 def copy_ids(src, dest, count, dtype, counts=None):
