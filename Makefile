@@ -281,12 +281,15 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 gpu-check: $(ENV) ## on a GPU machine: the GPU tests, then GPT-2 small bf16 eager and compiled (about 6 min)
 	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) harness/gpu_check.sh
 
-test: $(ENV) ## run the test suite (about 65 minutes on 2 CPU cores; see test-quick)
-	$(PY) -m pytest $(TEST_ARGS)
+# LOAD=N: the tests beside N busy processes (harness/busy.py), as on a machine shared with other jobs
+LOAD ?=
+LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
+test: $(ENV) ## run the test suite (about 65 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
+	$(LOADED) $(PY) -m pytest $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
 test-quick: $(ENV) ## the lessons' tests and the README's commands only (5 min on 2 cores beside a CI run)
-	$(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
+	$(LOADED) $(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .

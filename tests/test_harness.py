@@ -5,7 +5,7 @@ import os
 import time
 
 import pytest
-from conftest import free_port, run
+from conftest import PYTHON, REPO, free_port, run
 
 # a shell that starts two grandchildren, writes their process ids, and waits for them
 TREE = 'sleep 300 & echo $! >> "$0"; sleep 300 & echo $! >> "$0"; wait'
@@ -44,3 +44,25 @@ def test_free_ports_are_never_handed_out_twice_and_nothing_listens_on_them():
     assert len(set(ports)) == 20
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     assert all(port < low for port in ports), "below the ephemeral range"
+
+
+def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(tmp_path):
+    """`make test LOAD=N` (harness/busy.py): while the command runs, N processes beside it (its siblings)
+    use the CPU; when it ends they are gone, and its exit status is busy.py's. Mutation: the busy processes
+    neither killed nor daemonic: busy.py never ends (timed out)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys, time, psutil\n"
+        "me = psutil.Process()\n"
+        "busy = [p for p in me.parent().children() if p.pid != me.pid]\n"
+        "open(sys.argv[1], 'w').write(' '.join(str(p.pid) for p in busy))\n"
+        "time.sleep(1)\n"
+        "sys.exit(3 if busy and all(p.cpu_times().user > 0 for p in busy) else 4)\n"
+    )
+    pids = tmp_path / "pids"
+    proc = run(
+        [PYTHON, REPO / "harness" / "busy.py", "2", "--", PYTHON, probe, pids], timeout=60, check=False
+    )
+    assert proc.returncode == 3, proc.stdout
+    busy = [int(pid) for pid in pids.read_text().split()]
+    assert len(busy) == 2 and not any(alive(pid) for pid in busy), busy
