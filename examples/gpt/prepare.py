@@ -11,6 +11,8 @@ Every file is written next to its final name and renamed into place (checkpoint.
 says the folder is incomplete first, the complete manifest last. A run stopped before it writes leaves the
 previous output; stopped later, a folder that train.py refuses in one line and prepare.py, run again, redoes;
 never a half shard under a shard's name, nor shards without a manifest (which would read as nanoGPT's).
+Memory does not grow with the text: it is read twice, a piece at a time (to train the tokenizer, then to
+encode it in --workers processes, the cores by default), and the ids go to disk as they come.
 """
 
 import argparse
