@@ -100,8 +100,6 @@ def snapshot_config(args, corpus):
     cfg["tokenizer_sha256"] = corpus.digest
     cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     cfg["padded_vocab"] = model_config(args, corpus.vocab_size).padded_vocab  # (before: not padded)
-    if cfg["activation"] == "gelu":  # (before: not recorded, and always gelu)
-        del cfg["activation"]
     return cfg
 
 
