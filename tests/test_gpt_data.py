@@ -452,6 +452,69 @@ def test_a_bpe_snapshot_exported_to_hugging_face_loads_in_transformers_with_the_
     assert other.shape == mine.shape and (other - mine).abs().max() < 1e-4, (other - mine).abs().max()
 
 
+def small_gpt2(folder, tokenizer_json):
+    """A GPT-2 as transformers makes and saves one (weights cannot be downloaded here): 2 layers, 2 heads,
+    width 64, 64 positions, GPT-2's tanh GELU, and our BPE as its tokenizer. Its MLP's input weights are
+    scaled up 30 times, so that the two GELUs (exact, tanh) give measurably different logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    eot = import_gpt_module("tokenizer").EOT
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token=eot, bos_token=eot)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    )
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.mlp.c_fc.weight.mul_(30)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model.eval()
+
+
+def test_a_hugging_face_gpt2_is_fine_tuned_from_its_own_weights_on_data_in_its_own_tokens(
+    tmp_path, bpe, texts
+):
+    """--init_from DIR takes a Hugging Face GPT-2 folder: its config gives the model's shape and activation,
+    its weights converted give our model the logits transformers gives (2e-7 apart; bound 1e-5),
+    prepare.py --tokenizer DIR encodes text with its tokenizer, and train.py fine-tunes it on 2 processes
+    sharded (FSDP), resumes, and exports back: at a learning rate of 1e-12 the exported weights are the
+    original ones (within 1e-6).
+    Mutations: the exact GELU in place of GPT-2's: the logits differ by 5.7e-5; the q, k, v rows left in
+    GPT-2's order: by 0.28."""
+    from safetensors.torch import load_file
+
+    hf_mod, model_mod = import_gpt_module("hf"), import_gpt_module("model")
+    folder = tmp_path / "gpt2-small-ish"
+    theirs = small_gpt2(folder, bpe / "tokenizer.json")
+    shape = hf_mod.read_config(folder)
+    cfg = model_mod.GPTConfig(**shape)
+    ours = model_mod.GPT(cfg)
+    ours.init_weights(0)
+    hf_mod.load_into(folder, ours)
+    ids = torch.randint(shape["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours.eval()(ids)[..., : cfg.vocab_size] - theirs(ids).logits).abs().max()
+    assert shape["activation"] == "gelu_tanh" and diff < 1e-5, diff
+    proc = prepare(texts, "--out", tmp_path / "shards", "--tokenizer", folder)
+    assert f"wrote {tmp_path / 'shards'}: bpe tokenizer of 1000 tokens" in proc.stdout, proc.stdout
+    args = ["--data", tmp_path / "shards", "--init_from", folder, "--dp_shard", 2, "--lr", 1e-12]
+    args += ["--max_steps", 4, "--save_every", 4, "--batch_size", 4, "--sample_chars", 0, "--eval_samples", 8]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, "--cache_dir", tmp_path / "cache", *args]
+    proc = run(cmd, timeout=600, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert f"resuming from {folder} at step 0" in proc.stdout, proc.stdout[-3000:]
+    cmd[cmd.index("--max_steps") + 1] = 8
+    proc = run(cmd, timeout=600, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "resuming from gpt_snapshot at step 4" in proc.stdout, proc.stdout[-3000:]
+    run([PYTHON, GPT / "export.py", "gpt_snapshot", "back", "--format", "hf"], timeout=300, cwd=tmp_path)
+    before, after = (
+        load_file(folder / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"] == "gelu_new"
+    assert max((before[k] - after[k]).abs().max() for k in before if k in after) < 1e-6
+
+
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
     names = ("config", "model", "train_state", "data")
     config, model_mod, train_state, data = (import_gpt_module(n) for n in names)

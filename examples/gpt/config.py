@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import failure
+import hf
 import torch
 from ac import MODES as AC_MODES
 
@@ -28,7 +29,7 @@ PRESETS = {
         warmup_steps=200, max_steps=2000, eval_every=250, eval_samples=1024, log_every=10, tokenizer="bpe",
     ),
 }  # fmt: skip
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "activation")
 # --parallel NAME: the one-dimensional layout it stands for, all processes along one mesh dimension
 SHORTHAND = {"ddp": "dp_replicate", "zero": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
 SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
@@ -156,6 +157,10 @@ def model_options(p):
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         group.add_argument(f"--{key}", type=int)
     group.add_argument("--dropout", type=float)
+    group.add_argument(
+        "--activation", choices=["gelu", "gelu_tanh"],
+        help="the MLP's GELU: exact (gelu, default) or GPT-2's tanh approximation (a GPT-2 --init_from's)",
+    )  # fmt: skip
     return lambda args: [
         *positive(args, "n_layer", "n_head", "n_embd", "block_size"),
         (
@@ -241,8 +246,8 @@ def snapshot_options(p):
     )  # fmt: skip
     group.add_argument(
         "--init_from", metavar="FILE",
-        help="a single-file snapshot (examples/gpt/export.py writes one) to start from when "
-        "--snapshot_path holds none yet",
+        help="a single-file snapshot (examples/gpt/export.py writes one), or a Hugging Face GPT-2 folder, "
+        "to start from when --snapshot_path holds none yet",
     )  # fmt: skip
     group.add_argument("--save_every", type=int, default=100, help="snapshot every this many steps (100)")
     group.add_argument("--keep", type=int, default=2, help="snapshots kept, the newest (2)")
@@ -256,8 +261,8 @@ def snapshot_options(p):
             f"single-file snapshot pass it as --init_from {args.snapshot_path} with another --snapshot_path",
         ),
         (
-            args.init_from is None or os.path.isfile(args.init_from),
-            f"--init_from {args.init_from}: no such file",
+            args.init_from is None or os.path.isfile(args.init_from) or hf.is_folder(args.init_from),
+            f"--init_from {args.init_from}: neither a file nor a Hugging Face GPT-2 folder (config.json)",
         ),
     ]
 
@@ -364,6 +369,15 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.model = args.model or ("gpt2" if torch.cuda.is_available() else "cpu")
     preset_warmup = args.warmup_steps is None  # the preset's is capped below; one given is kept as given
+    if hf.is_folder(args.init_from):  # a Hugging Face GPT-2: its shape, where the command line gives none
+        try:
+            shape = hf.read_config(args.init_from)
+        except hf.HFError as exc:
+            parser.error(str(exc))
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "activation"):
+            if getattr(args, key) is None:
+                setattr(args, key, shape[key])
+    args.activation = args.activation or "gelu"
     for key, value in PRESETS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -13,11 +13,11 @@ It runs in one process and reads every part, so the whole model and optimizer st
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
 from dataclasses import fields
 
 import checkpoint
+import hf
 import tokenizer as tok
 import torch
 from model import GPT, GPTConfig, init_buffers, optimizer_groups
@@ -61,72 +61,6 @@ def sample(state, model, count, seed=1337):
     return tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids))
 
 
-def hf_state(model):
-    """The model's weights under GPT-2's names and layouts in transformers: its Conv1D layers hold the
-    transpose of ours; its fused attention projection gives q for every head, then k, then v, where ours
-    gives each head's q, k and v together; its vocabulary has no padding rows; without --bias, zeros where
-    GPT-2 has biases."""
-    cfg = model.cfg
-    width, heads = cfg.n_embd, cfg.n_head
-
-    def by_kind(t):  # (heads, 3, head width, ...) -> (3, heads, head width, ...)
-        return t.reshape(heads, 3, width // heads, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-    def bias(module, size):
-        return module.bias if module.bias is not None else torch.zeros(size)
-
-    state = {"wte.weight": model.tok_emb.weight[: cfg.vocab_size], "wpe.weight": model.pos_emb.weight}
-    layers = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj"}
-    layers |= {"mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-    for i, block in model.blocks.items():
-        for theirs, ours in layers.items():
-            module = block.get_submodule(ours)
-            weight, b = module.weight, bias(module, module.weight.shape[0])
-            if isinstance(module, torch.nn.Linear):
-                weight, b = (by_kind(weight), by_kind(b)) if ours == "attn.qkv" else (weight, b)
-                weight = weight.T
-            state[f"h.{i}.{theirs}.weight"], state[f"h.{i}.{theirs}.bias"] = weight, b
-    state["ln_f.weight"], state["ln_f.bias"] = model.ln_f.weight, bias(model.ln_f, width)
-    return {f"transformer.{key}": value.detach().contiguous() for key, value in state.items()}
-
-
-def save_hf(state, model, out):
-    """out as a Hugging Face GPT-2 folder (config.json, model.safetensors; a BPE snapshot's tokenizer as
-    tokenizer.json and its config), written beside out and renamed into place."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    cfg = model.cfg
-    tokenizer = (
-        tok.from_str(state["tokenizer"], "the snapshot's tokenizer") if state.get("tokenizer") else None
-    )
-    end = tokenizer.start_id() if tokenizer is not None and tokenizer.kind == "bpe" else None
-    config = GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, activation_function="gelu", layer_norm_epsilon=1e-5, resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, bos_token_id=end, eos_token_id=end,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    with torch.device("meta"):  # no initial values: every weight is the snapshot's
-        hf = GPT2LMHeadModel(config)
-    missing, unexpected = hf.load_state_dict(hf_state(model), strict=False, assign=True)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    hf.tie_weights()
-    tmp = f"{out}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        hf.save_pretrained(tmp)
-        if tokenizer is not None and tokenizer.kind == "bpe":
-            special = dict(bos_token=tok.EOT, eos_token=tok.EOT, unk_token=tok.EOT)
-            fast = PreTrainedTokenizerFast(
-                tokenizer_object=tokenizer.hf, model_max_length=cfg.block_size, **special
-            )
-            fast.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main():
     p = argparse.ArgumentParser(description="Export a GPT snapshot directory to one plain file.")
     p.add_argument("snapshot", help="the snapshot directory (--snapshot_path of a run)")
@@ -153,7 +87,7 @@ def main():
     except checkpoint.SnapshotError as exc:
         sys.exit(f"error: {exc}")
     if args.format == "hf":
-        save_hf(state, model, args.out)
+        hf.save(state, model, args.out)
     else:
         model_state, optimizer_state = checkpoint.whole_state(model, optimizer)
         checkpoint.save_file(args.out, {**state, "model": model_state, "optimizer": optimizer_state})

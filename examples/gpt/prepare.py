@@ -143,6 +143,8 @@ def corpus_bytes(sources):
 def fingerprint(sources, kind, vocab_size, dtype):
     """What decides the output, found without reading the texts: the options, and each input file's path,
     size and modification time (the standard library's: its folder and the Python version)."""
+    if kind not in tok.KINDS:  # a tokenizer file: what it holds
+        kind = f"file {given_tokenizer(kind)[1]}"
     parts = [f"format {FORMAT}", kind, str(vocab_size), dtype]
     for source in sources:
         if source == "stdlib":
@@ -152,6 +154,19 @@ def fingerprint(sources, kind, vocab_size, dtype):
             stat = path.stat()
             parts.append(f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def given_tokenizer(path):
+    """(tokenizer, digest) of a tokenizer file, or of the tokenizer.json in a folder (a Hugging Face model's):
+    the ids are then that tokenizer's, to train a model that already reads them."""
+    path = Path(path) / TOKENIZER if Path(path).is_dir() else Path(path)
+    try:
+        tokenizer, digest = tok.load(path)
+    except tok.TokenizerError as exc:
+        raise PrepareError(f"--tokenizer {path}: {exc}") from None
+    if tokenizer.kind == "bpe" and tokenizer.hf.token_to_id(tok.EOT) is None:
+        raise PrepareError(f"--tokenizer {path}: it has no {tok.EOT} token to end each document with")
+    return tokenizer, digest
 
 
 def shard_dtype(vocab_size, dtype):
@@ -191,12 +206,9 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
         raise PrepareError(f"--out {out}: exists and is not a folder")
     start, total = time.perf_counter(), corpus_bytes(sources)
     reading = Progress("reading", total)
-    tokenizer = tok.KINDS[kind].train((text for text, _ in reading.each(pieces(sources))), vocab_size)
+    tokenizer = make_tokenizer(kind, vocab_size, (text for text, _ in reading.each(pieces(sources))), log)
     if reading.done == 0:
         raise PrepareError(f"{' '.join(sources)}: no text in it")
-    if kind == "bpe" and tokenizer.vocab_size < vocab_size:
-        log(f"the BPE has {tokenizer.vocab_size} tokens, not the {vocab_size} asked: the text holds no more "
-            "pairs of tokens to merge; give more text for a larger vocabulary")  # fmt: skip
     dtype = shard_dtype(tokenizer.vocab_size, dtype)
     spec = tokenizer.to_str()
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +224,7 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
         "tokenizer": {
             "file": TOKENIZER,
             "sha256": tok.digest(spec),
-            "kind": kind,
+            "kind": tokenizer.kind,
             "vocab_size": tokenizer.vocab_size,
         },
         "dtype": dtype,
@@ -228,10 +240,23 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     digest = manifest["tokenizer"]["sha256"]
     seconds = time.perf_counter() - start
     log(
-        f"wrote {out}: {kind} tokenizer of {tokenizer.vocab_size} tokens ({digest}), "
+        f"wrote {out}: {tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens ({digest}), "
         f"{dtype} shards of {counts} tokens in {seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s)"
     )
     return manifest
+
+
+def make_tokenizer(kind, vocab_size, texts, log):
+    """The tokenizer to encode with: trained on texts (an iterable, read once), or a given file's (texts then
+    read through all the same, so that bad input is refused before anything is written)."""
+    if kind not in tok.KINDS:
+        collections.deque(texts, maxlen=0)
+        return given_tokenizer(kind)[0]
+    tokenizer = tok.KINDS[kind].train(texts, vocab_size)
+    if kind == "bpe" and tokenizer.vocab_size < vocab_size:
+        log(f"the BPE has {tokenizer.vocab_size} tokens, not the {vocab_size} asked: the text holds no more "
+            "pairs of tokens to merge; give more text for a larger vocabulary")  # fmt: skip
+    return tokenizer
 
 
 def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
@@ -339,7 +364,11 @@ def get_parser():
         help="UTF-8 text files or folders of them; stdlib: the Python standard library (the default)",
     )  # fmt: skip
     p.add_argument("--out", required=True, help="the folder to write (train.py --data OUT)")
-    p.add_argument("--tokenizer", choices=tok.KINDS, default="bpe", help="byte-level BPE or characters (bpe)")
+    p.add_argument(
+        "--tokenizer", default="bpe", metavar="{bpe,char,FILE}",
+        help="train a byte-level BPE or take the characters (bpe); or encode with a tokenizer.json as it is "
+        "(or a Hugging Face model's folder holding one)",
+    )  # fmt: skip
     p.add_argument("--vocab_size", type=int, default=50257, help="BPE: tokens in all, GPT-2's by default")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="of the shards (auto: fits)")
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="encoding processes")

@@ -20,11 +20,12 @@ import data
 import failure
 import guards
 import hang
+import hf
 import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from train_state import all_ranks, snapshot_config
+from train_state import all_ranks, from_hf, snapshot_config
 from trainer import Trainer, setup_processes
 
 
@@ -42,8 +43,12 @@ def main():
         parser.error(str(exc))
     try:
         snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
-        if snapshot is None and args.init_from:
+        if snapshot is None and hf.is_folder(args.init_from):  # a Hugging Face GPT-2, to fine-tune
+            snapshot = from_hf(args, corpus)
+        elif snapshot is None and args.init_from:
             snapshot = checkpoint.load_file(args.init_from, snapshot_config(args, corpus))
+    except hf.HFError as exc:
+        parser.error(str(exc))
     except checkpoint.SnapshotError as exc:
         failure.fail(f"error: {exc}")
     stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved

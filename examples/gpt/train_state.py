@@ -4,11 +4,13 @@ run needs besides the weights and the optimizer state, and what it says when it 
 from dataclasses import asdict
 
 import checkpoint
+import hf
 import parallel
 import torch
 import torch.distributed as dist
 from config import MODEL_KEYS
-from model import GPTConfig
+from guards import LossScaler
+from model import GPT, GPTConfig, optimizer_groups
 
 # The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
@@ -99,3 +101,31 @@ def snapshot_config(args, corpus):
     cfg["qkv_layout"] = "per_head"  # the fused q, k, v outputs head by head (before: all q, all k, all v)
     cfg["padded_vocab"] = model_config(args, corpus.vocab_size).padded_vocab  # (before: not padded)
     return cfg
+
+
+def from_hf(args, corpus):
+    """A single-file snapshot's state (as export.py writes one) of a Hugging Face GPT-2 folder: its weights in
+    this run's model, a fresh AdamW, step 0; refused (HFError) when its vocabulary is not the corpus's."""
+    vocab = hf.read_config(args.init_from)["vocab_size"]
+    if vocab != corpus.vocab_size:
+        raise hf.HFError(
+            f"--init_from {args.init_from} has a vocabulary of {vocab} tokens, --data {corpus.vocab_size}: "
+            f"prepare the data with its tokenizer (prepare.py --tokenizer {args.init_from}/tokenizer.json)"
+        )
+    model = GPT(model_config(args, corpus.vocab_size))
+    model.init_weights(args.seed)  # the padding rows and the head's frozen bias; the rest is overwritten
+    hf.load_into(args.init_from, model)
+    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.lr)
+    model_state, optimizer_state = checkpoint.whole_state(model, optimizer)
+    return {
+        "config": snapshot_config(args, corpus),
+        "tokenizer": None if corpus.tokenizer is None else corpus.tokenizer.to_str(),
+        "scaler": LossScaler(enabled=False).state_dict(),
+        "step": 0,
+        "seed": args.seed,
+        "global_batch": args.batch_size * args.grad_accum * args.layout.dp,
+        "schedule": {},
+        "rng": [],
+        "model": model_state,
+        "optimizer": optimizer_state,
+    }
