@@ -27,12 +27,12 @@ def run_on_ray(parser, args):
             socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()
         except (OSError, ValueError) as exc:
             parser.error(f"no Ray cluster answers at {args.address} ({exc}): ray start --head")
-    # every rank's lines, not one of those alike; read when Ray is imported
+    # read when Ray is imported: every rank's lines, not one of those alike; colours on a terminal only
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_COLOR_PREFIX", str(int(sys.stdout.isatty())))
     import ray.train.torch
 
     ray.init(args.address, runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
-    # a GPU each and NCCL, else a CPU each and gloo
     unit = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
     if args.nproc < 1 or args.nproc > ray.cluster_resources()[unit]:
         parser.error(f"--nproc {args.nproc}: the Ray cluster has {ray.cluster_resources()[unit]:g} {unit}s")

@@ -49,8 +49,9 @@ RANK_RE = re.compile(
     r"\[rank (\d+)/(\d+)\] ([^,\s]+), ([a-z]+)(?:, local rank (\d+)/(\d+) on node (\d+) \(([^)\s]+)\))?"
 )
 
-# Ray prints `(RayTrainWorker pid=123) ` (colored; `, ip=...` when from another node) before an actor's lines
-RAY_PREFIX_RE = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=(\d+)(?:, ip=[\d.]+)?\)(?:\x1b\[0m)? ", re.M)
+# Ray prints `(RayTrainWorker pid=123) ` (`, ip=...` when from another node; no colour into a pipe) before
+# an actor's lines
+RAY_PREFIX_RE = re.compile(r"^\(\w+ pid=(\d+)(?:, ip=[\d.]+)?\) ", re.M)
 
 
 def without_ray_prefixes(text):
