@@ -305,8 +305,13 @@ k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes
 pins: $(ENV) ## re-resolve requirements.txt, its groups runtime, ray and dev, from tools/requirements.in
 	$(PY) tools/pins.py compile --uv $(VENV)/bin/uv
 
-clean: ## remove snapshots, logs and caches
-	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt gpt_snapshot metrics.jsonl
+# GPT_CACHE: where the GPT trainer keeps downloaded and prepared corpora (examples/gpt/config.py, --cache_dir)
+GPT_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ddp-examples
+clean: ## remove snapshots, logs and caches, the GPT corpora cache included; name what Ray keeps
+	rm -rf $(RUNS) .pytest_cache .ruff_cache *_snapshot.pt gpt_snapshot metrics.jsonl "$(GPT_CACHE)"
+	@for kept in "$(HOME)/ray_results" "$(HOME)/.ray" /tmp/ray; do \
+		if [ -e "$$kept" ]; then echo "kept $$kept: Ray's, shared with every Ray program (rm -rf it yourself)"; fi; \
+	done
 
 distclean: clean ## also remove the Python environment
 	rm -rf $(VENV)

@@ -66,3 +66,23 @@ def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(
     assert proc.returncode == 3, proc.stdout
     busy = [int(pid) for pid in pids.read_text().split()]
     assert len(busy) == 2 and not any(alive(pid) for pid in busy), busy
+
+
+def test_make_clean_removes_the_gpt_corpora_cache_and_names_what_ray_keeps(tmp_path):
+    """`make clean` also removes ~/.cache/ddp-examples (the GPT trainer's corpora, written outside the
+    repository) and names Ray's folders instead of removing what other Ray programs share. Run in
+    tmp_path with HOME and RUNS there, so that nothing of this machine's or the repository's is touched.
+    Mutation: the cache left out of the rm: the first assertion fails."""
+    home = tmp_path / "home"
+    (home / ".cache" / "ddp-examples" / "gpt").mkdir(parents=True)
+    (home / "ray_results").mkdir()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("XDG_CACHE_HOME", None)
+    # in tmp_path, so that the repository's own snapshots and caches stay
+    (tmp_path / "mine_snapshot.pt").write_bytes(b"")
+    proc = run(["make", "-f", REPO / "Makefile", "clean", f"RUNS={runs}"], timeout=60, env=env, cwd=tmp_path)
+    assert not (home / ".cache" / "ddp-examples").exists() and not runs.exists(), proc.stdout
+    assert f"kept {home / 'ray_results'}: Ray's" in proc.stdout
+    assert (home / "ray_results").is_dir() and not (tmp_path / "mine_snapshot.pt").exists()
