@@ -20,6 +20,7 @@ EXPECTED = {
     ),
     "unused_parameters": ("unused parameters", "Expected to have finished reduction"),
     "no_set_epoch": ("no set_epoch", "epoch 0, rank 0 of 2 gets samples"),
+    "padded_validation": ("padded validation", "on 2 ranks, one process"),
     "wrong_interface": ("wrong interface", "Unable to find address for: eth9"),
     "port_in_use": ("port in use", "EADDRINUSE"),
     "node_local_snapshots": ("node-local snapshots", "the nodes found different snapshots"),
