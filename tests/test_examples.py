@@ -108,6 +108,43 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     assert runs[name].log.losses == pytest.approx(runs["single_gpu"].log.losses, rel=1e-4)
 
 
+def test_accelerate_launch_with_the_committed_configs_takes_the_steps_of_one_process(runs, tmp_path):
+    """`accelerate launch --config_file examples/accelerate/one_node.yaml` (2 processes of batch 32), then
+    two_nodes.yaml as two local nodes (node1 with --machine_rank 1; 4 processes of batch 16, node0's
+    address and port given on the command line): each ends with the single-process run's weights at the
+    global batch of 64, the nodes meeting as the YAML says. Mutation: two_nodes.yaml's num_processes 2 (one
+    a node): the world size is 2, the global batch 32, and the weights differ."""
+    launch = [VENV / "bin" / "accelerate", "launch", "--config_file"]
+    lesson = [EXAMPLES / "multigpu_accelerate.py", EPOCHS, 2, *COMMON]
+    configs = EXAMPLES / "accelerate"
+    (tmp_path / "one").mkdir()
+    one = run(
+        [*launch, configs / "one_node.yaml", *lesson, "--batch_size", BATCH],
+        timeout=300,
+        cwd=tmp_path / "one",
+    )
+    TrainLog(one.stdout).assert_trained(world_size=2)
+    node = [*launch, configs / "two_nodes.yaml", "--main_process_ip", "127.0.0.1"]
+    node += ["--main_process_port", free_port(), "--rdzv_conf", "join_timeout=60"]
+    procs = [
+        popen([*node, "--machine_rank", rank, *lesson, "--batch_size", BATCH // 2], cwd=tmp_path,
+              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outs = [proc.communicate(timeout=bound(300))[0] for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    TrainLog(outs[0]).assert_trained(world_size=4)
+    expected = load_snapshot(runs["single_gpu"].snapshot)["MODEL_STATE"]
+    for folder in (tmp_path / "one", tmp_path):
+        actual = load_snapshot(folder / "multigpu_accelerate_snapshot.pt")["MODEL_STATE"]
+        for key, tensor in expected.items():
+            torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["single_gpu", "multigpu_torchrun", "multigpu_accelerate"])
 def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, name):
     args = ["--batch_size", BATCH * NPROC if name == "single_gpu" else BATCH, *COMMON]
