@@ -1,12 +1,22 @@
 """What the two-node demos share: a Compose project run from the repository's root with a deadline, the
 docker client with one, and polling until something happens or the deadline passes."""
 
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Compose's terminal codes (it erases the line before "exited with code", even with --ansi never)
+TERMINAL_CODE = re.compile(r"\r|\x1b\[[0-9;]*[A-Za-z]")
+# The C++ stack c10 adds to some errors, in either of its forms (symbolized or not): the error's own line
+# says what happened, and `docker compose logs` still has the rest.
+CPP_FRAME = re.compile(
+    r"\|\s*(frame #\d+: |#\d+ .* from \S+$|Exception raised from |C\+\+ CapturedTraceback:"
+    r"|\[W.*symbolizing C\+\+ stack trace)"
+)
 
 
 class Project:
@@ -47,8 +57,34 @@ class Project:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.left())
         return out.stdout + out.stderr
 
+    def follow(self, *services):
+        """Show the services' output as it comes, without terminal codes or C++ frames; stop() ends it."""
+        proc = subprocess.Popen(
+            [*self.cmd, "logs", "--follow", *services], cwd=REPO, env=self.env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace",
+        )  # fmt: skip
+
+        def show():
+            for line in proc.stdout:
+                print(shown(line), end="", flush=True)
+
+        thread = threading.Thread(target=show, daemon=True)
+        thread.start()
+
+        def stop():
+            proc.terminate()
+            proc.wait(timeout=30)
+            thread.join(10)
+
+        return stop
+
     def down(self):
         self("down", "--volumes", "--remove-orphans", "--timeout", "5", check=False)
+
+
+def shown(line):
+    """A line of the containers' output as the demos show it: "" for a C++ frame, no terminal codes."""
+    return "" if CPP_FRAME.search(line) else TERMINAL_CODE.sub("", line)
 
 
 def docker(*args, deadline):

@@ -18,11 +18,10 @@ import argparse
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
-from compose_project import REPO, Project, docker, wait_for
+from compose_project import Project, docker, wait_for
 
 FILES = ["-f", "compose.yaml", "-f", "compose/elastic.yaml"]  # the job of `docker compose up`, elastic
 REFERENCE_FILES = ["-f", "compose.yaml"]
@@ -143,7 +142,7 @@ def failover(args, proj, deadline):
     job = f"EPOCHS={args.epochs} SAVE_EVERY={args.save_every}"
     say(f"{job} docker compose -p {args.project} {' '.join(FILES)} up -d")
     proj("up", "-d")
-    follow = subprocess.Popen([*proj.cmd, "logs", "--follow"], cwd=REPO, env=proj.env)  # shown as it comes
+    stop_following = proj.follow()  # shown as it comes
     lines, failures = [], ["crash", "kill"] if args.crash else ["kill"]
     try:
         node1 = proj.container("node1")
@@ -163,8 +162,7 @@ def failover(args, proj, deadline):
                 proj("start", "node1")
         status = docker("wait", proj.container("node0"), deadline=deadline)
     finally:
-        follow.terminate()
-        follow.wait(timeout=30)
+        stop_following()
     log = proj.log("node0")
     resumed, same = RESUME_RE.findall(log), SAME_RE.findall(log)
     epochs = [int(e) for e, _ in EPOCH_RE.findall(log)]

@@ -17,13 +17,12 @@ project (containers, network, volumes) is removed at the end.
 import argparse
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.request
 from datetime import datetime
 
-from compose_project import REPO, Project, docker, wait_for
+from compose_project import Project, docker, wait_for
 
 WHO = "two-node torchft"
 FILES = ["-f", "compose/torchft.yaml"]
@@ -102,7 +101,7 @@ def scenario(args, proj):
     """Run the job with node1 killed and started again; return the account and whether it went well."""
     say(f"docker compose -p {proj.name} {' '.join(FILES)} up -d")
     proj("up", "-d")
-    follow = subprocess.Popen([*proj.cmd, "logs", "--follow", "node0", "node1"], env=proj.env, cwd=REPO)
+    stop_following = proj.follow("node0", "node1")
     account = []
 
     def both():  # the page once it lists both groups as members of a quorum
@@ -142,8 +141,7 @@ def scenario(args, proj):
         for service in SERVICES:  # node0 and node1 end, then the lighthouse: it stops when both are gone
             docker("wait", proj.container(service), deadline=proj.deadline)
     finally:
-        follow.terminate()
-        follow.wait(timeout=30)
+        stop_following()
     node0, node1 = lines(proj, "node0"), lines(proj, "node1")
     ran0 = epochs(node0)
     sizes = [(epoch, size) for _, epoch, size in ran0]

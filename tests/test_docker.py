@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from conftest import (
     EPOCH_RE,
+    PYTHON,
     REPO,
     RUN_ID,
     TrainLog,
@@ -687,6 +689,29 @@ ACCOUNT_RE = {  # the account `make two-node-failover` ends with, line by line
 }
 
 
+def test_the_demos_show_the_containers_output_without_cpp_frames_or_terminal_codes():
+    """What the two-node demos echo of `docker compose logs --follow`: a c10 error's C++ frames (real ones,
+    from TORCH_SHOW_CPP_STACKTRACES=1) and Compose's line erase left out, the error itself kept.
+    Mutation: shown() returning the line as it is: frames are shown, and the test fails."""
+    code = "import torch; torch.ones(2).view(3)"
+    lines = ["node1-1  | frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98\n"]
+    for symbolize in ("1", "0"):  # both forms of the stack: addr2line's names, and addresses
+        env = {**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "1", "TORCH_DISABLE_ADDR2LINE": symbolize}
+        error = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=env).stderr
+        assert "c10::Error::Error" in error, error  # a real c10 error with its C++ stack
+        lines += [f"node0-1  | {line}\n" for line in error.splitlines()]
+    lines.append("\r\x1b[Knode0-1 exited with code 0\n")
+    sys.path.insert(0, str(REPO / "demos"))
+    try:
+        from compose_project import shown
+    finally:
+        sys.path.remove(str(REPO / "demos"))
+    out = "".join(map(shown, lines))
+    assert "frame #" not in out and "c10::" not in out and "raised from" not in out and "\x1b" not in out, out
+    assert out.count("RuntimeError: shape '[3]' is invalid for input of size 2") == 2
+    assert out.endswith("node0-1 exited with code 0\n")
+
+
 @SLOW
 def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project, image):
     """`make two-node-failover`: node1 fails mid-training and comes back, the job resumes from the snapshot
@@ -719,6 +744,7 @@ def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project,
     assert [int(e) for e in resumed.group(2).split(", then ")] == saved, account  # from that snapshot
     assert re.fullmatch(r"\s+" + ACCOUNT_RE["end"], account[-2]), account[-2]
     assert re.fullmatch(r"\s+" + ACCOUNT_RE["same"], account[-1]), account[-1]
+    assert "frame #" not in out and "\x1b[" not in out, "C++ frames or terminal codes in the output"
     # the run's own lines came before the account, and both projects are gone
     assert "resuming from /snapshots/multinode.pt" in out.split("two-node failover, in short:")[0]
     left = run(
