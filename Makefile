@@ -242,8 +242,9 @@ TORCHFT_ARGS ?=
 two-node-torchft: image-current ## torchft replica groups in two containers: node1 killed, started again, healed live
 	$(PYTHON3) demos/two_node_torchft.py --image $(IMAGE) $(TORCHFT_ARGS)
 
-doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT, a local all-reduce
-	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT))
+doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT (NODES: all-reduce across them)
+	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT)) $(if $(NODES),--nodes $(NODES)) \
+		$(if $(COLLECT_ENV),--collect_env)
 
 fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
 	$(PY) demos/fault.py --dir $(RUNS)/fault-demo

@@ -6,11 +6,25 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
 import yaml
-from conftest import PYTHON, REPO, RUN_ID, TrainLog, assert_world, free_subnet, kill_group, need, popen, run
+from conftest import (
+    PYTHON,
+    REPO,
+    RUN_ID,
+    TrainLog,
+    assert_world,
+    bound,
+    free_port,
+    free_subnet,
+    kill_group,
+    need,
+    popen,
+    run,
+)
 
 NETNS = REPO / "harness" / "netns.sh"
 # unique per run of the suite (RUN_ID), so that two runs on one machine do not meet
@@ -79,3 +93,72 @@ def test_compose_job_across_two_namespaces(hosts, tmp_path):
     assert_world(node0.stdout + node1_out, NPROC)
     snapshot = next(tmp_path.glob("*.pt"))
     assert torch.load(snapshot, weights_only=True)["EPOCHS_RUN"] == int(VARIABLES["EPOCHS"])
+
+
+def doctors(port, env1=None, timeout=40):
+    """tools/doctor.py --nodes 2 in both namespaces at once, node0's address the endpoint: (exit status,
+    output) of each, and the seconds the slower took."""
+    argv = [
+        PYTHON,
+        "tools/doctor.py",
+        "--endpoint",
+        f"node0:{port}",
+        "--nodes",
+        "2",
+        "--timeout",
+        str(timeout),
+    ]
+    start = time.monotonic()
+    pipes = {
+        host: popen(in_host(host, argv), cwd=REPO, env=env1 if host == "node1" else None,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for host in HOSTS
+    }  # fmt: skip
+    try:
+        outs = {host: pipe.communicate(timeout=bound(timeout * 6))[0] for host, pipe in pipes.items()}
+    finally:
+        for pipe in pipes.values():
+            kill_group(pipe)
+    return {host: (pipes[host].returncode, outs[host]) for host in HOSTS}, time.monotonic() - start
+
+
+def test_the_doctor_on_both_nodes_meets_and_all_reduces_across_them(hosts):
+    """`make doctor ENDPOINT=node0:PORT NODES=2` on each node: the nodes meet there (torch's c10d
+    rendezvous), then a gloo all-reduce across them passes and gives its bandwidth. Mutation: the
+    all-reduce's expected sum off by one: both nodes FAIL."""
+    results, _ = doctors(free_port(), timeout=60)
+    for host, (code, out) in results.items():
+        assert code == 0, f"{host}:\n{out[-3000:]}"
+        assert "PASS  nodes        2 nodes met at node0:" in out, out
+        assert re.search(r"PASS  nodes        gloo all-reduce of 64 MB across 2 nodes: \d+ ms, busbw", out), (
+            out
+        )
+    numbers = {re.search(r"this is node (\d)", out)[1] for _, out in results.values()}
+    assert numbers == {"0", "1"}
+
+
+def test_the_doctor_names_the_firewall_when_the_nodes_meet_but_cannot_all_reduce(hosts):
+    """A firewall on both nodes that lets in only the endpoint's port (and what answers connections made
+    from inside): the nodes meet there, but gloo's own connections between them are dropped. Both end
+    within the bound with a FAIL that says the nodes met and names the firewall and the interface
+    variables. gloo's connections retry for about 100 s whatever timeout torch is given: the doctor waits
+    for them at most its --timeout (20 s here). Mutation: the thread joined without a bound: about 130 s
+    in all, and the seconds assertion fails."""
+    port = free_port()
+    rules = [
+        ["-i", "lo", "-j", "ACCEPT"],
+        ["-p", "tcp", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        ["-p", "tcp", "--dport", str(port), "-j", "ACCEPT"],
+        ["-p", "tcp", "-j", "DROP"],
+    ]
+    for host in HOSTS:
+        for rule in rules:
+            run(["ip", "netns", "exec", f"{NAME}-{host}", "iptables", "-A", "INPUT", *rule], timeout=30)
+    results, seconds = doctors(port, timeout=20)
+    assert seconds < 80, f"the doctors took {seconds:.0f} s: the all-reduce across the nodes is not bounded"
+    for host, (code, out) in results.items():
+        assert code == 1, f"{host}:\n{out[-3000:]}"
+        assert "PASS  nodes        2 nodes met at node0:" in out, out
+        failed = re.search(r"FAIL  nodes        the nodes met at node0:\d+, but the all-reduce .*", out)
+        assert failed and "firewall" in failed[0] and "GLOO_SOCKET_IFNAME" in failed[0], out
+    print(f"both doctors ended in {seconds:.0f} s")

@@ -2,6 +2,8 @@
 
     make doctor                          # versions, GPUs, backends, network, a local all-reduce
     make doctor ENDPOINT=node0:29500     # also: can this machine reach that rendezvous endpoint?
+    make doctor ENDPOINT=node0:29500 NODES=2   # on every node: they meet there and all-reduce together
+    make doctor COLLECT_ENV=1            # also what an issue report asks for (torch.utils.collect_env)
 
 Exit status 1 when a check fails.
 """
@@ -13,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -20,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from launch import split_endpoint, store_answers  # tools/launch.py, beside this file
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 results = []
 
@@ -195,6 +200,107 @@ def endpoint(value, seconds):
         )
 
 
+def shared_memory():
+    """/dev/shm holds NCCL's buffers between the GPUs of a machine; containers get 64 MB unless told."""
+    in_container = os.path.exists("/.dockerenv") or "KUBERNETES_SERVICE_HOST" in os.environ
+    if not in_container or not os.path.isdir("/dev/shm"):
+        return
+    size = shutil.disk_usage("/dev/shm").total
+    if size < 2**30:
+        fix = "docker run --shm-size 8g, compose's shm_size, or a memory emptyDir at /dev/shm on Kubernetes"
+        report(
+            "FAIL",
+            "shm",
+            f"/dev/shm is {size / 2**20:.0f} MB in this container: NCCL fails with "
+            f"'unhandled system error'; {fix}",
+        )
+    else:
+        report("PASS", "shm", f"/dev/shm is {size / 2**30:.1f} GB in this container")
+
+
+def gloo_address():
+    """The address gloo offers the other nodes, and the interface that holds it."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:
+        return f"interface {name} (GLOO_SOCKET_IFNAME)"
+    try:
+        return f"{socket.gethostbyname(socket.gethostname())}, the address of this machine's name"
+    except OSError:
+        return "no address: this machine's name does not resolve"
+
+
+def across_nodes(value, nodes, seconds):
+    """Run on every node with the same ENDPOINT: the nodes meet there as torchrun's c10d rendezvous has them
+    meet, then all-reduce 64 MB across the nodes with gloo (and NCCL, one GPU a node, where there are GPUs).
+    A failure names what the nodes got to and the usual causes."""
+    host, port = split_endpoint(value)
+    params = RendezvousParameters("c10d", f"{host}:{port}", "doctor", nodes, nodes, join_timeout=seconds)
+    start = time.monotonic()
+    try:
+        info = get_rendezvous_handler(params).next_rendezvous()
+    except RendezvousError as exc:
+        report(
+            "FAIL",
+            "nodes",
+            f"{nodes} nodes did not meet at {value} within {seconds:g} s "
+            f"({type(exc).__name__}): start this on every node, with the same ENDPOINT and NODES",
+        )
+        return
+    report(
+        "PASS",
+        "nodes",
+        f"{nodes} nodes met at {value} in {time.monotonic() - start:.1f} s: this is node {info.rank}",
+    )
+    # gloo's connections between the nodes can outlast any timeout given to torch (a firewall that drops
+    # them: about 100 s of connect retries): the collectives run in a thread, waited for `seconds`
+    outcome = []
+    worker = threading.Thread(target=nodes_all_reduce, args=(info, nodes, seconds, outcome), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        outcome.append(f"did not finish within {seconds:g} s")
+    for line in outcome:
+        if line.startswith(("gloo", "nccl")):
+            report("PASS", "nodes", f"{line}; this node offered {gloo_address()}")
+            continue
+        report(
+            "FAIL",
+            "nodes",
+            f"the nodes met at {value}, but the all-reduce across them {line}. Usual causes: the nodes "
+            "connect to each other on ports of their own, beyond the endpoint's, which a firewall may "
+            "drop; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming an interface the others cannot reach "
+            f"(this node offered {gloo_address()}); with NCCL on GPUs without peer-to-peer support, "
+            "NCCL_P2P_DISABLE=1",
+        )
+
+
+def nodes_all_reduce(info, nodes, seconds, outcome):
+    """64 MB all-reduced across the nodes, gloo then NCCL (one GPU a node); a line each in outcome."""
+    timeout = timedelta(seconds=seconds)
+    backends = ["gloo", "nccl"] if torch.cuda.is_available() else ["gloo"]
+    try:
+        # gloo connects the nodes to each other here
+        dist.init_process_group("gloo", store=info.store, rank=info.rank, world_size=nodes, timeout=timeout)
+        for backend in backends:
+            group = dist.new_group(backend=backend, timeout=timeout)
+            device = "cuda" if backend == "nccl" else "cpu"
+            tensor = torch.ones(16 * 2**20, device=device)
+            dist.all_reduce(tensor, group=group)  # warm-up: NCCL connects here
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            took = time.perf_counter() - start
+            busbw = tensor.numel() * 4 / took * 2 * (nodes - 1) / nodes / 1e9
+            if not bool((tensor == nodes**2).all()):
+                raise RuntimeError(f"the sum is {tensor[0].item()}, not {nodes**2}")
+            speed = f"{took * 1e3:.0f} ms, busbw {busbw:.2f} GB/s"
+            outcome.append(f"{backend} all-reduce of 64 MB across {nodes} nodes: {speed}")
+        dist.destroy_process_group()
+    except (RuntimeError, dist.DistError) as exc:
+        outcome.append(f"failed: {str(exc).strip().splitlines()[0][:200]}")
+
+
 def all_reduce_worker(rank, world_size, port, numel):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_cuda = torch.cuda.device_count() >= world_size  # one process per GPU, as in training
@@ -246,18 +352,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", help="HOST:PORT of a rendezvous to try to reach")
     parser.add_argument("--timeout", type=float, default=120, help="seconds for the all-reduce (default 120)")
+    parser.add_argument("--nodes", type=int, help="meet this many nodes at --endpoint and all-reduce")
+    parser.add_argument("--collect_env", action="store_true", help="end with torch.utils.collect_env")
     args = parser.parse_args()
     if args.endpoint and ":" not in args.endpoint:
         parser.error(f"--endpoint must be HOST:PORT, got {args.endpoint}")
+    if args.nodes is not None and (args.nodes < 2 or not args.endpoint):
+        parser.error("--nodes needs --endpoint HOST:PORT and at least 2 nodes")
     versions()
     gpus()
     backends()
     network()
-    if args.endpoint:
+    shared_memory()
+    if args.endpoint and args.nodes:
+        across_nodes(args.endpoint, args.nodes, args.timeout)
+    elif args.endpoint:
         endpoint(args.endpoint, min(args.timeout, 10))
     all_reduce(args.timeout)
     failed, checked = results.count("FAIL"), len(results) - results.count("INFO")
     print(f"doctor: {failed} of {checked} checks FAILED" if failed else f"doctor: all {checked} checks pass")
+    if args.collect_env:
+        from torch.utils.collect_env import get_pretty_env_info
+
+        print(f"\ntorch.utils.collect_env, for an issue report:\n{get_pretty_env_info()}")
     sys.exit(1 if failed else 0)
 
 
