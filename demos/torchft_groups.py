@@ -2,12 +2,16 @@
 
     make torchft                                    # a lighthouse and two groups, in runs/torchft
     make torchft FT_ARGS=--kill                     # the last group SIGKILLed, started again: it heals
+    make torchft FT_ARGS="--kill --alone 2"         # ... the others train 2 epochs alone before its restart
     make torchft FT_ARGS="--kill --kill_joining"    # ... killed again as it takes the state, restarted
     make torchft FT_ARGS=--restart_lighthouse       # the lighthouse killed and started again mid-run
 
 Each group runs in its own folder (its own snapshot, as on its own node). The lighthouse waits for every
-group before a step, unless --kill: then a quorum of one goes on, and a killed group is started again once
-the others have trained --alone epochs without it. The account at the end says, per group and start,
+group before a step: a killed group is started again at once, and the others wait for it (at most the
+lesson's --timeout) and go on when it has taken their live state. With --alone N a quorum of one goes on
+instead, and the killed group is started again once the others have trained N epochs without it: on a busy
+machine they may then finish before it is back, which the account says. The account at the end says, per
+group and start,
 the epochs it logged with the world size of each and how it ended, then what the failure cost: the seconds
 from the kill to the survivors' next epoch, and the step and second a restarted group took the live state
 at; --summary writes it as JSON. Exit status 0 when the last start of every group exited 0 and the groups'
@@ -40,7 +44,7 @@ HEAL = re.compile(r'"GET /checkpoint/(\d+)/full HTTP')  # a group serving its li
 
 
 class Process:
-    """A command in its own process group, its output echoed with a prefix and kept."""
+    """A command in its own process group, its output kept, and echoed with a prefix (not every epoch)."""
 
     def __init__(self, name, command, cwd, env):
         self.name, self.lines, self.times, self.started = name, [], [], time.monotonic()
@@ -52,10 +56,15 @@ class Process:
         self.thread.start()
 
     def _pump(self):
+        size = None
         for line in self.proc.stdout:
             self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
-            print(f"[{self.name}] {line}", end="", flush=True)
+            epoch = EPOCH.match(line)
+            # shown: every line but the epochs, of which every 10th and each whose world size changed
+            if epoch is None or int(epoch[1]) % 10 == 0 or epoch[2] != size:
+                print(f"[{self.name}] {line}", end="", flush=True)
+            size = epoch[2] if epoch else size
 
     def logged(self, since=0.0):
         """(time, epoch, world size) of each epoch logged after the time since."""
@@ -104,10 +113,10 @@ def main():
     parser.add_argument("--kill", action="store_true", help="SIGKILL the last group after --kill_epoch")
     parser.add_argument("--kill_epoch", type=int, default=5, help="the epoch after which to kill (default 5)")
     parser.add_argument("--kill_joining", action="store_true", help="kill it again as it takes the state")
-    parser.add_argument("--alone", type=int, default=2, help="epochs the others train before a restart")
+    parser.add_argument("--alone", type=int, default=0, help="epochs the others train alone (default 0)")
     parser.add_argument("--restart_lighthouse", action="store_true", help="kill, restart the lighthouse")
     parser.add_argument("--down", type=float, default=3, help="seconds the lighthouse stays down")
-    parser.add_argument("--timeout", type=float, default=30, help="the lesson's --timeout (default 30)")
+    parser.add_argument("--timeout", type=float, default=60, help="the lesson's --timeout (default 60)")
     parser.add_argument("--deadline", type=float, default=300, help="seconds for the whole run")
     parser.add_argument("--summary", help="write the account as JSON to this file")
     args = parser.parse_args()
@@ -122,9 +131,9 @@ def main():
     env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
     root = Path(args.dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
-    # A quorum of every group, unless one is killed: then the others must go on without it. With 1, the
-    # group that starts first would train alone until the others arrive (and may finish before they do).
-    quorum = 1 if args.kill else args.groups
+    # A quorum of every group: a group waits for the others, a killed one included. With --alone, a quorum
+    # of one: the others go on without the killed group (and may finish before it is back).
+    quorum = 1 if args.kill and args.alone else args.groups
     lighthouse_command = [
         str(BIN / "torchft_lighthouse"), "--min_replicas", str(quorum), "--join_timeout_ms", "1000",
         "--bind", f"127.0.0.1:{port}",
@@ -172,10 +181,6 @@ def main():
             killed = time.monotonic()
             starts[last][0].kill()
             wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
-            when, epoch, size = survivor.logged(killed)[0]
-            figures.append(
-                f"group0 logged epoch {epoch} at world size {size}, {when - killed:.1f} s after the kill"
-            )
             if args.kill_joining:  # killed again as it takes the live state: when the survivor serves it
                 joining = group(last)
                 starts[last].append(joining)
@@ -184,6 +189,14 @@ def main():
                 joining.kill()
                 wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
             starts[last].append(group(last))
+            ended = survivor.proc.poll
+            wait_until(
+                "group0's next epoch", lambda: survivor.logged(killed) or ended() is not None, deadline
+            )
+            for when, epoch, size in survivor.logged(killed)[:1]:
+                figures.append(
+                    f"group0 logged epoch {epoch} at world size {size}, {when - killed:.1f} s after the kill"
+                )
         if args.restart_lighthouse:
             house.kill()
             time.sleep(args.down)
