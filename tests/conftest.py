@@ -238,6 +238,27 @@ class TrainLog:
         assert self.losses[-1] * factor < self.losses[0], f"loss did not fall by {factor}x: {self.losses}"
 
 
+def run_together(commands, *, timeout, cwd=None, env=None):
+    """Start every command at once (the nodes of a job), each in a process group of its own, on the CPU;
+    return [(exit status, output)] once all have ended. Past `timeout` every group is killed and the test
+    fails with what each printed."""
+    pipes = [
+        popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    try:
+        outs = [pipe.communicate(timeout=bound(timeout))[0] for pipe in pipes]
+    except subprocess.TimeoutExpired:
+        for pipe in pipes:
+            kill_group(pipe)
+        outs = [pipe.communicate()[0] for pipe in pipes]
+        pytest.fail(f"not ended within {timeout} s:\n" + "\n---\n".join(out[-3000:] for out in outs))
+    finally:
+        for pipe in pipes:
+            kill_group(pipe)
+    return [(pipe.returncode, out) for pipe, out in zip(pipes, outs, strict=True)]
+
+
 def wait_for_json(url, count, limit):
     """The JSON list a server gives at url once it holds `count` items, polled for at most `limit` s."""
     deadline, got = time.monotonic() + limit, None

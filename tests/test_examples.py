@@ -12,6 +12,7 @@ import torch
 from conftest import (
     EXAMPLES,
     EXIT_PROBE,
+    PYTHON,
     REFERENCE_ARGS,
     REFERENCE_BATCH,
     REFERENCE_EPOCHS,
@@ -26,6 +27,7 @@ from conftest import (
     load_snapshot,
     popen,
     run,
+    run_together,
     steps,
 )
 
@@ -126,17 +128,9 @@ def test_accelerate_launch_with_the_committed_configs_takes_the_steps_of_one_pro
     TrainLog(one.stdout).assert_trained(world_size=2)
     node = [*launch, configs / "two_nodes.yaml", "--main_process_ip", "127.0.0.1"]
     node += ["--main_process_port", free_port(), "--rdzv_conf", "join_timeout=60"]
-    procs = [
-        popen([*node, "--machine_rank", rank, *lesson, "--batch_size", BATCH // 2], cwd=tmp_path,
-              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)
-    ]  # fmt: skip
-    try:
-        outs = [proc.communicate(timeout=bound(300))[0] for proc in procs]
-    finally:
-        for proc in procs:
-            kill_group(proc)
-    assert [proc.returncode for proc in procs] == [0, 0], outs
+    nodes = [[*node, "--machine_rank", rank, *lesson, "--batch_size", BATCH // 2] for rank in (0, 1)]
+    codes, outs = zip(*run_together(nodes, timeout=300, cwd=tmp_path), strict=True)
+    assert codes == (0, 0), outs
     TrainLog(outs[0]).assert_trained(world_size=4)
     expected = load_snapshot(runs["single_gpu"].snapshot)["MODEL_STATE"]
     for folder in (tmp_path / "one", tmp_path):
@@ -216,6 +210,29 @@ def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     assert (tmp_path / "multinode" / "snapshot.pt").exists()
     # make sets OMP_NUM_THREADS, as torchrun would, so torchrun's 4-line banner about it opens no run
     assert "OMP_NUM_THREADS" not in proc.stdout, proc.stdout[:2000]
+
+
+def test_torchruns_static_form_trains_two_local_nodes_and_ends_without_a_traceback(tmp_path):
+    """docs/lessons.md's other form, `--node-rank N --master-addr A --master-port P`, on two local nodes of
+    2 processes, 3 times (each in a folder of its own): both nodes exit 0, node 1 holds global ranks 2 and
+    3, and neither prints a traceback (torchrun's exit barrier included). Mutation: both nodes given
+    --node-rank=0: they never meet and the bounded wait fails the run."""
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        port = free_port()
+        nodes = [
+            [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={rank}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", EXAMPLES / "multinode.py", "3", "1",
+             "--dataset_size", "512", "--timeout", "60"]
+            for rank in (0, 1)
+        ]  # fmt: skip
+        ended = run_together(nodes, timeout=180, cwd=folder, env={"OMP_NUM_THREADS": "1"})
+        codes, outs = zip(*ended, strict=True)
+        assert codes == (0, 0), outs
+        TrainLog(outs[0]).assert_trained(world_size=4)
+        assert sorted(TrainLog(outs[1]).ranks) == [2, 3], outs[1]
+        assert not any("Traceback" in out for out in outs), outs
 
 
 def listening(port):

@@ -12,13 +12,11 @@ from conftest import (
     PYTHON,
     REPO,
     TrainLog,
-    bound,
     free_port,
-    kill_group,
     load_snapshot,
     need,
-    popen,
     run,
+    run_together,
     steps,
 )
 
@@ -53,16 +51,8 @@ def test_mpirun_trains_multinode_to_the_weights_of_two_torchrun_nodes(mpirun, tm
     assert places == {rank: (str(rank), "0") for rank in range(4)}, proc.stdout[-3000:]
     (tmp_path / "torchrun").mkdir()
     nodes = steps.command("multinode", ARGS, nproc=2, port=free_port(), root=REPO)
-    pipes = [
-        popen(node, cwd=tmp_path / "torchrun", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for node in nodes
-    ]
-    try:
-        outs = [pipe.communicate(timeout=bound(300))[0].decode() for pipe in pipes]
-    finally:
-        for pipe in pipes:
-            kill_group(pipe)
-    assert [pipe.returncode for pipe in pipes] == [0, 0], outs
+    codes, outs = zip(*run_together(nodes, timeout=300, cwd=tmp_path / "torchrun"), strict=True)
+    assert codes == (0, 0), outs
     assert TrainLog(outs[0]).losses == log.losses
     torchrun = load_snapshot(tmp_path / "torchrun" / "multinode_snapshot.pt")
     mpi = load_snapshot(tmp_path / "mpi" / "multinode_snapshot.pt")
