@@ -603,6 +603,68 @@ def test_ray_across_two_containers(project, ray_image):
     assert proj.snapshot_epochs(SNAPSHOTS["ray"]) == EPOCHS
 
 
+TWO_MACHINES = "<!-- tests/test_docker.py runs the next block on this machine"
+
+
+@SLOW
+def test_the_two_machines_command_of_docs_docker_md_trains_two_nodes_over_the_host_network(image, tmp_path):
+    """docs/docker.md's per-machine `docker run`, as its comment says: both containers on this machine's
+    host network, node 0 at 127.0.0.1 over the loopback interface, no --gpus, 2 processes a node and 2
+    epochs, a folder of this test as the shared one. Both end 0; node 0 logs 4 ranks across the 2 nodes
+    and the shared snapshot holds both epochs. Mutation: --network host left out: each container's
+    127.0.0.1 is its own, node 1 never meets node 0, and the test fails."""
+    text = (REPO / "docs" / "docker.md").read_text()
+    block = text.split(TWO_MACHINES, 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    command = block.replace("\\\n", " ").split()
+    port = free_port()
+    shared = tmp_path / "snapshots"
+    shared.mkdir()
+    shared.chmod(0o777)  # the image's user writes there
+    swap = {
+        "--gpus": None,
+        "all": None,
+        "NCCL_SOCKET_IFNAME=IFACE": "NCCL_SOCKET_IFNAME=lo",
+        "GLOO_SOCKET_IFNAME=IFACE": "GLOO_SOCKET_IFNAME=lo",
+        "/shared/snapshots:/snapshots": f"{shared}:/snapshots",
+        "ddp-examples:latest": image,
+        "--nproc-per-node=8": "--nproc-per-node=2",
+        "--rdzv-endpoint=NODE0:29500": f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=job1": f"--rdzv-id=test{port}",
+        "50": "2",
+        "10": "1",
+    }
+    command = [swap.get(word, word) for word in command]
+    command = [word for word in command if word is not None]
+    assert command[:3] == ["docker", "run", "--rm"] and "--network" in command, command
+    names = [f"ddptest{RUN_ID}host{node}" for node in (0, 1)]
+    # One machine here, where two machines differ: both containers share its network, so both would take
+    # 127.0.0.1 for their own and host the rendezvous store (node 1 is told it does not), and its name,
+    # which with the pid (1 in each container) names a node to the rendezvous (--pid=host: pids differ).
+    script = command.index("examples/multinode.py")
+    not_host = ["--rdzv-conf=is_host=false"]
+    procs = [
+        subprocess.Popen(
+            [*command[:3], "--name", name, "--pid=host", *command[3:script], *not_host[:node],
+             *command[script:]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node, name in enumerate(names)
+    ]  # fmt: skip
+    try:
+        outs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for name in names:
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    logs = [TrainLog(out) for out in outs]
+    trained = [log for log in logs if log.epochs]
+    assert len(trained) == 1, outs  # global rank 0 logs, on whichever node it landed
+    trained[0].assert_trained(world_size=4)
+    nodes = {place[4] for log in logs for place in log.ranks.values()}
+    assert nodes == {"0", "1"}, outs
+    assert (shared / "multinode.pt").is_file()
+
+
 @SLOW
 def test_gpt_across_two_containers(project):
     proj = project(VARIANTS["gpt-cpu"], GPT_STEPS=20, GPT_SAVE_EVERY=10)
