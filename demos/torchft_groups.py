@@ -11,11 +11,10 @@ group before a step: a killed group is started again at once, and the others wai
 lesson's --timeout) and go on when it has taken their live state. With --alone N a quorum of one goes on
 instead, and the killed group is started again once the others have trained N epochs without it: on a busy
 machine they may then finish before it is back, which the account says. The account at the end says, per
-group and start,
-the epochs it logged with the world size of each and how it ended, then what the failure cost: the seconds
-from the kill to the survivors' next epoch, and the step and second a restarted group took the live state
-at; --summary writes it as JSON. Exit status 0 when the last start of every group exited 0 and the groups'
-weights were identical.
+group and start, the epochs it logged with the world size of each and how it ended, then what the failure
+cost: the seconds from the kill to the survivors' next epoch, and the step and second a restarted group
+took the live state at; --summary writes it as JSON. Exit status 0 when the last start of every group
+exited 0 and the groups' weights were identical.
 """
 
 import argparse
