@@ -142,8 +142,8 @@ def test_the_doctor_names_the_firewall_when_the_nodes_meet_but_cannot_all_reduce
     from inside): the nodes meet there, but gloo's own connections between them are dropped. Both end
     within the bound with a FAIL that says the nodes met and names the firewall and the interface
     variables. gloo's connections retry for about 100 s whatever timeout torch is given: the doctor waits
-    for them at most its --timeout (20 s here). Mutation: the thread joined without a bound: about 130 s
-    in all, and the seconds assertion fails."""
+    for them at most its --timeout (20 s here) and says so. Mutation: the thread joined without a bound:
+    the FAIL quotes gloo's connect timeout after about 100 s instead, and the test fails."""
     port = free_port()
     rules = [
         ["-i", "lo", "-j", "ACCEPT"],
@@ -155,10 +155,10 @@ def test_the_doctor_names_the_firewall_when_the_nodes_meet_but_cannot_all_reduce
         for rule in rules:
             run(["ip", "netns", "exec", f"{NAME}-{host}", "iptables", "-A", "INPUT", *rule], timeout=30)
     results, seconds = doctors(port, timeout=20)
-    assert seconds < 80, f"the doctors took {seconds:.0f} s: the all-reduce across the nodes is not bounded"
     for host, (code, out) in results.items():
         assert code == 1, f"{host}:\n{out[-3000:]}"
         assert "PASS  nodes        2 nodes met at node0:" in out, out
         failed = re.search(r"FAIL  nodes        the nodes met at node0:\d+, but the all-reduce .*", out)
-        assert failed and "firewall" in failed[0] and "GLOO_SOCKET_IFNAME" in failed[0], out
+        assert failed and "did not finish within 20 s" in failed[0], out  # the doctor's bound, not gloo's
+        assert "firewall" in failed[0] and "GLOO_SOCKET_IFNAME" in failed[0], out
     print(f"both doctors ended in {seconds:.0f} s")
