@@ -127,7 +127,7 @@ def test_accelerate_launch_with_the_committed_configs_takes_the_steps_of_one_pro
     )
     TrainLog(one.stdout).assert_trained(world_size=2)
     node = [*launch, configs / "two_nodes.yaml", "--main_process_ip", "127.0.0.1"]
-    node += ["--main_process_port", free_port(), "--rdzv_conf", "join_timeout=60"]
+    node += ["--main_process_port", free_port(), "--rdzv_conf", "timeout=60"]
     nodes = [[*node, "--machine_rank", rank, *lesson, "--batch_size", BATCH // 2] for rank in (0, 1)]
     codes, outs = zip(*run_together(nodes, timeout=300, cwd=tmp_path), strict=True)
     assert codes == (0, 0), outs
