@@ -233,8 +233,13 @@ def across_nodes(value, nodes, seconds):
     """Run on every node with the same ENDPOINT: the nodes meet there as torchrun's c10d rendezvous has them
     meet, then all-reduce 64 MB across the nodes with gloo (and NCCL, one GPU a node, where there are GPUs).
     A failure names what the nodes got to and the usual causes."""
-    host, port = split_endpoint(value)
-    params = RendezvousParameters("c10d", f"{host}:{port}", "doctor", nodes, nodes, join_timeout=seconds)
+    try:
+        host, port = split_endpoint(value)
+    except ValueError as exc:
+        report("FAIL", "nodes", f"{value}: the port is not a number ({exc})")
+        return
+    wait = {"join_timeout": int(seconds), "read_timeout": int(seconds)}
+    params = RendezvousParameters("c10d", f"{host}:{port}", "doctor", nodes, nodes, **wait)
     start = time.monotonic()
     try:
         info = get_rendezvous_handler(params).next_rendezvous()
@@ -259,7 +264,9 @@ def across_nodes(value, nodes, seconds):
     worker.join(seconds)
     if worker.is_alive():
         outcome.append(f"did not finish within {seconds:g} s")
-    for line in outcome:
+    if not outcome:
+        outcome.append("ended without a result")
+    for line in list(outcome):
         if line.startswith(("gloo", "nccl")):
             report("PASS", "nodes", f"{line}; this node offered {gloo_address()}")
             continue
@@ -297,8 +304,9 @@ def nodes_all_reduce(info, nodes, seconds, outcome):
             speed = f"{took * 1e3:.0f} ms, busbw {busbw:.2f} GB/s"
             outcome.append(f"{backend} all-reduce of 64 MB across {nodes} nodes: {speed}")
         dist.destroy_process_group()
-    except (RuntimeError, dist.DistError) as exc:
-        outcome.append(f"failed: {str(exc).strip().splitlines()[0][:200]}")
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        outcome.append(f"failed: {first}")
 
 
 def all_reduce_worker(rank, world_size, port, numel):
@@ -359,6 +367,8 @@ def main():
         parser.error(f"--endpoint must be HOST:PORT, got {args.endpoint}")
     if args.nodes is not None and (args.nodes < 2 or not args.endpoint):
         parser.error("--nodes needs --endpoint HOST:PORT and at least 2 nodes")
+    if args.timeout < 1:
+        parser.error(f"--timeout must be at least 1 second, got {args.timeout:g}")
     versions()
     gpus()
     backends()
