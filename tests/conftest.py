@@ -239,24 +239,33 @@ class TrainLog:
 
 
 def run_together(commands, *, timeout, cwd=None, env=None):
-    """Start every command at once (the nodes of a job), each in a process group of its own, on the CPU;
-    return [(exit status, output)] once all have ended. Past `timeout` every group is killed and the test
-    fails with what each printed."""
-    pipes = [
-        popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd in commands
-    ]
-    try:
-        outs = [pipe.communicate(timeout=bound(timeout))[0] for pipe in pipes]
-    except subprocess.TimeoutExpired:
-        for pipe in pipes:
-            kill_group(pipe)
-        outs = [pipe.communicate()[0] for pipe in pipes]
+    """Start every command at once (the nodes of a job), each in a process group of its own, on the CPU,
+    its output in a file (no pipe to fill while another is read); return [(exit status, output)] once all
+    have ended. Past `timeout` seconds in all, every group is killed and the test fails with their output."""
+    with tempfile.TemporaryDirectory() as folder:
+        files = [open(os.path.join(folder, str(i)), "w+") for i in range(len(commands))]
+        procs = [
+            popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            for cmd, out in zip(commands, files, strict=True)
+        ]
+        deadline, late = time.monotonic() + bound(timeout), False
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            late = True
+        finally:
+            for proc in procs:
+                kill_group(proc)
+                proc.wait()
+        outs = []
+        for out in files:
+            out.seek(0)
+            outs.append(out.read())
+            out.close()
+    if late:
         pytest.fail(f"not ended within {timeout} s:\n" + "\n---\n".join(out[-3000:] for out in outs))
-    finally:
-        for pipe in pipes:
-            kill_group(pipe)
-    return [(pipe.returncode, out) for pipe, out in zip(pipes, outs, strict=True)]
+    return [(proc.returncode, out) for proc, out in zip(procs, outs, strict=True)]
 
 
 def wait_for_json(url, count, limit):

@@ -17,13 +17,13 @@ from conftest import (
     RUN_ID,
     TrainLog,
     assert_world,
-    bound,
     free_port,
     free_subnet,
     kill_group,
     need,
     popen,
     run,
+    run_together,
 )
 
 NETNS = REPO / "harness" / "netns.sh"
@@ -95,7 +95,7 @@ def test_compose_job_across_two_namespaces(hosts, tmp_path):
     assert torch.load(snapshot, weights_only=True)["EPOCHS_RUN"] == int(VARIABLES["EPOCHS"])
 
 
-def doctors(port, env1=None, timeout=40):
+def doctors(port, timeout):
     """tools/doctor.py --nodes 2 in both namespaces at once, node0's address the endpoint: (exit status,
     output) of each, and the seconds the slower took."""
     argv = [
@@ -109,17 +109,8 @@ def doctors(port, env1=None, timeout=40):
         str(timeout),
     ]
     start = time.monotonic()
-    pipes = {
-        host: popen(in_host(host, argv), cwd=REPO, env=env1 if host == "node1" else None,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for host in HOSTS
-    }  # fmt: skip
-    try:
-        outs = {host: pipe.communicate(timeout=bound(timeout * 6))[0] for host, pipe in pipes.items()}
-    finally:
-        for pipe in pipes.values():
-            kill_group(pipe)
-    return {host: (pipes[host].returncode, outs[host]) for host in HOSTS}, time.monotonic() - start
+    ended = run_together([in_host(host, argv) for host in HOSTS], timeout=timeout * 6, cwd=REPO)
+    return dict(zip(HOSTS, ended, strict=True)), time.monotonic() - start
 
 
 def test_the_doctor_on_both_nodes_meets_and_all_reduces_across_them(hosts):
