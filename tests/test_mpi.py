@@ -35,7 +35,18 @@ def mpirun():
 
 def mpi_command(mpirun, port, *args):
     env = ["-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", f"PYTHON={PYTHON}"]
-    return [mpirun, "-np", "4", "--oversubscribe", *env, WRAPPER, EXAMPLES / "multinode.py", *args]
+    return [
+        mpirun,
+        "-np",
+        "4",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        *env,
+        WRAPPER,
+        EXAMPLES / "multinode.py",
+        *args,
+    ]
 
 
 def test_mpirun_trains_multinode_to_the_weights_of_two_torchrun_nodes(mpirun, tmp_path):

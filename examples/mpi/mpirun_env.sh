@@ -3,8 +3,10 @@
 # processes meet over env:// at MASTER_ADDR:MASTER_PORT (the first host's address), as torchrun would
 # have them meet. The wheels' torch has no MPI backend: mpirun only starts the processes; gloo or NCCL
 # carries the training.
-#   mpirun -np 4 -H node0:2,node1:2 -x MASTER_ADDR=node0 -x MASTER_PORT=29500 \
+#   mpirun -np 4 -H node0:2,node1:2 --bind-to none -x MASTER_ADDR=node0 -x MASTER_PORT=29500 \
 #       examples/mpi/mpirun_env.sh examples/multinode.py 10 5
+# --bind-to none: Open MPI pins each process to a core by default, and torch's threads with it. The node
+# number assumes as many processes on every host, placed by slot (Open MPI's default, not --map-by node).
 set -euo pipefail
 if [ -z "${OMPI_COMM_WORLD_RANK:-}" ]; then
   echo "error: start me with mpirun (Open MPI): no OMPI_COMM_WORLD_RANK" >&2
