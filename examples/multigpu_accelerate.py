@@ -1,6 +1,6 @@
 """Step 3 with Hugging Face Accelerate: multigpu_torchrun.py again, Accelerator doing the DDP plumbing.
 
-accelerate launch --config_file accelerate/one_node.yaml multigpu_accelerate.py 10 5  # or torchrun
+torchrun --standalone --nproc-per-node=2 multigpu_accelerate.py 10 5    # or: accelerate launch ...
 """
 
 import argparse
