@@ -200,6 +200,11 @@ def endpoint(value, seconds):
         )
 
 
+def bus_bandwidth(size, seconds, world_size):
+    """GB/s an all-reduce of `size` bytes moved per link (nccl-tests' busbw): 2(n-1)/n of it each way."""
+    return size / seconds * 2 * (world_size - 1) / world_size / 1e9
+
+
 def shared_memory():
     """/dev/shm holds NCCL's buffers between the GPUs of a machine; containers get 64 MB unless told."""
     in_container = os.path.exists("/.dockerenv") or "KUBERNETES_SERVICE_HOST" in os.environ
@@ -298,7 +303,7 @@ def nodes_all_reduce(info, nodes, seconds, outcome):
             if device == "cuda":
                 torch.cuda.synchronize()
             took = time.perf_counter() - start
-            busbw = tensor.numel() * 4 / took * 2 * (nodes - 1) / nodes / 1e9
+            busbw = bus_bandwidth(tensor.numel() * 4, took, nodes)
             if not bool((tensor == nodes**2).all()):
                 raise RuntimeError(f"the sum is {tensor[0].item()}, not {nodes**2}")
             speed = f"{took * 1e3:.0f} ms, busbw {busbw:.2f} GB/s"
@@ -327,7 +332,7 @@ def all_reduce_worker(rank, world_size, port, numel):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     if rank == 0:
-        busbw = numel * 4 / seconds * 2 * (world_size - 1) / world_size / 1e9
+        busbw = bus_bandwidth(numel * 4, seconds, world_size)
         size = f"{numel * 4 / 1e6:.0f} MB"
         print(f"{backend}, {world_size} processes, {size}: {seconds * 1e3:.1f} ms, busbw {busbw:.2f} GB/s")
     dist.destroy_process_group()
