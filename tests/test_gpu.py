@@ -190,3 +190,16 @@ def test_an_ordinary_gpt_step_on_the_gpu_waits_for_nothing(tmp_path):
     reads = {int(step): count for step, count in found["reads"].items()}
     assert found["checked"] == [4, 6, 8, 11, 12], found
     assert all(reads[s] == 0 for s in reads if s not in found["checked"]), reads
+
+
+@needs_2_gpus
+def test_syncbatchnorm_makes_two_gpus_train_and_evaluate_as_one_process():
+    """examples/pitfalls/batchnorm_stats.py on 2 GPUs, NCCL: 4 images a process with plain BatchNorm end
+    off one process of 8 (its loss or its eval outputs by more than 1e-4, float32 convolutions); with
+    SyncBatchNorm (--fixed) within 1e-4, train and eval mode both. On the CPU the fix is refused, saying
+    why (tests/test_pitfalls.py)."""
+    script = REPO / "examples" / "pitfalls" / "batchnorm_stats.py"
+    broken = run([PYTHON, script], timeout=180, env=GPU_ENV, check=False)
+    assert broken.returncode == 1 and "cause: per-process BatchNorm" in broken.stdout, broken.stdout[-2000:]
+    fixed = run([PYTHON, script, "--fixed"], timeout=180, env=GPU_ENV)
+    assert "fixed: 2 processes of 4 images train and evaluate as one of 8" in fixed.stdout, fixed.stdout
