@@ -67,7 +67,8 @@ def test_plots_are_written(bench_run):
 
 
 def test_loss_curves_agree(bench_run):
-    """The same seed, data and global batch: two ranks take the same steps as one process."""
+    """The same seed, data and global batch: two ranks take the same steps as one process. Mutation: each
+    process given the global batch instead of its share: torchrun's losses differ from plain's."""
     _, _, report = bench_run
     runs = {r["variant"]: r["losses"] for r in report["runs"]}
     assert len(runs["plain"]) == 2
@@ -86,7 +87,8 @@ def processes(cmd):
 
 def test_every_variant_starts_its_ranks_and_has_its_rows():
     """Without training: the default variants on 2 ranks, the processes their commands start, and a report
-    of made-up runs of all of them, with every variant and ratio in the tables."""
+    of made-up runs of all of them, with every variant and ratio in the tables. Mutation: two_nodes given
+    `ranks` processes per node instead of `ranks // 2`: assert 4 == 2."""
     variants = bench.make_variants(2)
     assert [v.name for v in variants] == VARIANTS
     for v in variants:
