@@ -1,5 +1,6 @@
 """`make doctor` reports each check and fails when one fails."""
 
+import re
 import socket
 from datetime import timedelta
 
@@ -23,6 +24,16 @@ def test_doctor_passes_with_a_reachable_endpoint():
     for line in [*lines, "python 3.", "torch 2.13.0", "CUDA ", "NCCL "]:
         assert line in proc.stdout, line
     assert "doctor: all" in proc.stdout and "checks pass" in proc.stdout
+
+
+def test_the_doctor_block_of_troubleshooting_md_passes_as_written():
+    """docs/troubleshooting.md's first command, verbatim, from the repository root: every check passes.
+    Mutation: the block given an interface that is not there (GLOO_SOCKET_IFNAME=eth9): exit 1."""
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    marker = "<!-- tests/test_doctor.py runs the next block as written -->"
+    block = re.search(r"```sh\n(.*?)```", text[text.index(marker) :], re.S).group(1)
+    proc = run(["bash", "-c", "set -e\n" + block], timeout=300, cwd=REPO, check=False)
+    assert proc.returncode == 0 and "checks pass" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_doctor_before_node_0_starts_checks_what_it_can_and_passes():
