@@ -216,8 +216,9 @@ def test_make_multinode_trains_on_two_local_nodes(tmp_path):
 def test_torchruns_static_form_trains_two_local_nodes_and_ends_without_a_traceback(tmp_path):
     """docs/lessons.md's other form, `--node-rank N --master-addr A --master-port P`, on two local nodes of
     2 processes, 3 times (each in a folder of its own): both nodes exit 0, node 1 holds global ranks 2 and
-    3, and neither prints a traceback (torchrun's exit barrier included). Mutation: both nodes given
-    --node-rank=0: they never meet and the bounded wait fails the run."""
+    3, and neither prints a traceback but the one docs/lessons.md names: torch's exit barrier on node 1
+    when node 0, which holds the store, has already left (pytorch#69520; 1 run in 10 at a load of 5).
+    Mutation: both nodes given --node-rank=0: they never meet and the bounded wait fails the run."""
     for attempt in range(3):
         folder = tmp_path / str(attempt)
         folder.mkdir()
@@ -233,7 +234,10 @@ def test_torchruns_static_form_trains_two_local_nodes_and_ends_without_a_traceba
         assert codes == (0, 0), outs
         TrainLog(outs[0]).assert_trained(world_size=4)
         assert sorted(TrainLog(outs[1]).ranks) == [2, 3], outs[1]
-        assert not any("Traceback" in out for out in outs), outs
+        for out in outs:
+            tracebacks = [line for line in out.splitlines() if "Traceback" in line]
+            assert all("elastic/agent/server/api.py" in line for line in tracebacks), out
+            assert not tracebacks or "Error waiting on exit barrier" in out, out
 
 
 def listening(port):
