@@ -19,8 +19,8 @@ README_LINES = 130
 # Above a block of commands: a test that runs it as written (and reads the page), or why none does.
 RUN_BY = re.compile(r"<!-- (tests/test_\w+\.py) runs .*-->")
 NOT_RUN = re.compile(
-    r"<!-- not run verbatim by the tests: (needs a GPU|needs a cluster|needs two machines|about \d+ min"
-    r"|see tests/test_\w+\.py::\w+)[^>]*-->"
+    r"<!-- not run verbatim by the tests: (needs a GPU|needs a cluster|needs two machines"
+    r"|(about|over) \d+ min|see tests/test_\w+\.py::\w+)[^>]*-->"
 )
 COMMANDS = {"sh", "bash", "shell", "console"}
 
