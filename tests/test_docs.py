@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [REPO / "README.md", *DOCS]
-PAGE_BYTES = 20 * 1024
-ALL_DOCS_BYTES = 110 * 1024
+PAGE_BYTES = 20_000
+ALL_DOCS_BYTES = 110_000
 README_LINES = 130
 # Above a block of commands: a test that runs it as written (and reads the page), or why none does.
 RUN_BY = re.compile(r"<!-- (tests/test_\w+\.py) runs .*-->")
