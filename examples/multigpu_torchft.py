@@ -29,7 +29,8 @@ class Trainer:
         wait = timedelta(seconds=args.timeout)
         # the lighthouse forms a quorum of groups for every step
         waits = {"timeout": wait, "connect_timeout": wait, "quorum_timeout": wait}
-        self.manager = Manager(ProcessGroupGloo(), None, None, args.min_replicas, **waits)
+        self.pg = ProcessGroupGloo()
+        self.manager = Manager(self.pg, None, None, args.min_replicas, **waits)
         # what a group that rejoins takes from a live peer
         self.manager.register_state_dict_fn("MODEL_STATE", model.load_state_dict, model.state_dict)
         self.manager.register_state_dict_fn(
@@ -79,6 +80,9 @@ class Trainer:
             if epoch % self.args.save_every == 0 or epoch == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch)
         check_replicas(self.manager, self.model)
+        # torchft's threads and group end now: left to the interpreter's exit, they may abort it
+        self.manager.shutdown()
+        self.pg.shutdown()
 
 
 def main(args):
@@ -86,8 +90,7 @@ def main(args):
     print(f"[group {args.replica_group}/{args.replica_groups}] {device}, gloo", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each group takes every replica_groups-th sample
-    groups = args.replica_groups
-    sampler = DistributedSampler(train_set, groups, args.replica_group, seed=args.seed)
+    sampler = DistributedSampler(train_set, args.replica_groups, args.replica_group, seed=args.seed)
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, args).train()

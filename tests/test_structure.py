@@ -25,8 +25,9 @@ DIFF_BOUND = {
     ("multigpu_torchrun", "multigpu_ray"): 80,  # (65) the Ray driver, in place of torchrun's refusals
     ("single_gpu", "multigpu_dataparallel"): 25,  # DataParallel and its refusal without 2 GPUs
     # a Manager, its optimizer, gradients averaged through it, epochs counted in committed steps, a check
-    # across groups and four arguments, less torchrun's process group and refusals
-    ("multigpu_torchrun", "multigpu_torchft"): 152,  # (110)
+    # across groups, its shutdown (left to the interpreter's exit, it aborted 1 run in 12 under load) and
+    # four arguments, less torchrun's process group and refusals
+    ("multigpu_torchrun", "multigpu_torchft"): 155,  # (110)
 }
 # The functions below each lesson's "Below: the same in every lesson" line, identical in every copy, and
 # at most SHARED_LINES lines in all: what every step needs that is not its lesson.
