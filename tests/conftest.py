@@ -291,6 +291,13 @@ def start_torchrun_agent(cmd, cwd, env=None):
     return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def doc_block(page, marker):
+    """The commands of the first fenced block after `marker` in `page` (relative to the repository): what a
+    test runs as the docs give it."""
+    text = (REPO / page).read_text()
+    return re.search(r"```(?:sh|bash)\n(.*?)```", text[text.index(marker) :], re.S).group(1)
+
+
 def need(available, reason, require_var):
     """Skip when a facility (Docker, Slurm) is missing, unless require_var=1 makes that a failure."""
     if available:

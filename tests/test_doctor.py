@@ -1,10 +1,9 @@
 """`make doctor` reports each check and fails when one fails."""
 
-import re
 import socket
 from datetime import timedelta
 
-from conftest import REPO, VENV, run
+from conftest import REPO, VENV, doc_block, run
 from torch.distributed import TCPStore
 
 
@@ -29,9 +28,8 @@ def test_doctor_passes_with_a_reachable_endpoint():
 def test_the_doctor_block_of_troubleshooting_md_passes_as_written():
     """docs/troubleshooting.md's first command, verbatim, from the repository root: every check passes.
     Mutation: the block given an interface that is not there (GLOO_SOCKET_IFNAME=eth9): exit 1."""
-    text = (REPO / "docs" / "troubleshooting.md").read_text()
     marker = "<!-- tests/test_doctor.py runs the next block as written -->"
-    block = re.search(r"```sh\n(.*?)```", text[text.index(marker) :], re.S).group(1)
+    block = doc_block("docs/troubleshooting.md", marker)
     proc = run(["bash", "-c", "set -e\n" + block], timeout=300, cwd=REPO, check=False)
     assert proc.returncode == 0 and "checks pass" in proc.stdout, proc.stdout[-3000:]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from conftest import GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, doc_block, import_gpt_module, run
 from test_gpt import GPT, TINY, TRAIN, cache, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
@@ -228,8 +228,7 @@ def test_the_own_data_commands_of_docs_gpt_md_run_as_written_after_the_default_r
     the default run's snapshot (gpt_snapshot) already is: every command succeeds and the training run
     keeps to its own snapshot. Mutation: the block without --snapshot_path: the run ends in an error, on
     the default run's snapshot."""
-    text = (REPO / "docs" / "gpt.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index(DOC_MARKER) :], re.S).group(1)
+    block = doc_block("docs/gpt.md", DOC_MARKER)
     (tmp_path / "examples").symlink_to(REPO / "examples")
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     shutil.copy(REPO / "README.md", tmp_path)

@@ -1,17 +1,9 @@
 """The commands the README shows work as written."""
 
-import re
-
 import pytest
-from conftest import REPO, VENV, TrainLog, free_port, run
+from conftest import REPO, VENV, TrainLog, doc_block, free_port, run
 
 MARKER = "<!-- tests/test_readme.py runs every command in the next block"
-
-
-def commands_block():
-    text = (REPO / "README.md").read_text()
-    after = text[text.index(MARKER) :]
-    return re.search(r"```sh\n(.*?)```", after, re.S).group(1)
 
 
 @pytest.mark.timeout(960)  # above the script's own 900 s bound
@@ -21,7 +13,7 @@ def test_the_example_commands_work_verbatim(tmp_path):
     (tmp_path / ".venv").symlink_to(VENV)
     script = tmp_path / "readme.sh"
     # verbatim but for the two-node rendezvous port: a free one, not the README's fixed 29400
-    block = commands_block()
+    block = doc_block("README.md", MARKER)
     assert block.count("--rdzv-endpoint=localhost:29400 ") == 2, block
     block = block.replace("localhost:29400", f"localhost:{free_port()}")
     script.write_text("set -e\n" + block)
