@@ -383,21 +383,40 @@ def pytest_runtest_logreport(report):
         _skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
 
 
-def pytest_sessionfinish(session):
-    """Fail the session if a process it started is still alive 10 s after the last test (and kill it), and
-    with REQUIRE_NO_SKIPS=1 (CI) if a test skipped for a reason that names no GPU."""
+def leftover_processes():
+    """Wait up to 10 s for this session's processes to end; kill those still alive and return them."""
     deadline = time.monotonic() + 10
     while (left := session_processes()) and time.monotonic() < deadline:
         time.sleep(0.5)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+_left_by_workers = []  # under pytest-xdist (make test's JOBS): what each worker found still alive
+
+
+def pytest_testnodedown(node, error):
+    _left_by_workers.extend(getattr(node, "workeroutput", {}).get("left_alive", []))
+
+
+def pytest_sessionfinish(session):
+    """Fail the session if a process it started is still alive 10 s after the last test (and kill it), and
+    with REQUIRE_NO_SKIPS=1 (CI) if a test skipped for a reason that names no GPU. Under pytest-xdist each
+    worker checks the processes of its own tests and hands the list to the controller, which reports."""
+    left = leftover_processes()
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput["left_alive"] = left
+        return
+    left += _left_by_workers
     write = session.config.get_terminal_writer().line
     if left:
         write(f"\nFAILED: {len(left)} process(es) started by the tests still alive at the end:", red=True)
         for pid, cmdline in left:
             write(f"  pid {pid}: {cmdline[:300]}")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     banned = [(test, reason) for test, reason in _skips if "GPU" not in reason]
     if os.environ.get("REQUIRE_NO_SKIPS") == "1" and banned:

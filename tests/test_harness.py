@@ -1,7 +1,9 @@
 """The suite's own guarantees (tests/conftest.py): a command that runs past its bound is killed with every
-process it started, and its bound ends before pytest-timeout's. Budget: about 10 s."""
+process it started, and its bound ends before pytest-timeout's; processes left alive and skips CI forbids
+fail the session, on pytest-xdist's workers too. Budget: about 45 s."""
 
 import os
+import re
 import time
 
 import pytest
@@ -44,6 +46,34 @@ def test_free_ports_are_never_handed_out_twice_and_nothing_listens_on_them():
     assert len(set(ports)) == 20
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     assert all(port < low for port in ports), "below the ephemeral range"
+
+
+# a session of the suite's own conftest: one test leaves a process behind, one skips for no GPU reason
+LEAVES_AND_SKIPS = """
+import subprocess, pytest
+def test_leaves_a_process():
+    subprocess.Popen(["sleep", "300"], start_new_session=True)
+def test_skips():
+    pytest.skip("no network")
+"""
+
+
+@pytest.mark.parametrize("jobs", ["0", "2"])
+def test_a_process_left_alive_or_a_skip_ci_forbids_fails_the_session_with_or_without_workers(tmp_path, jobs):
+    """The suite's session rules hold whether make test runs it in one process (JOBS=0) or on pytest-xdist
+    workers (JOBS=2): a process a test started and left running fails the session, named, and is killed;
+    with REQUIRE_NO_SKIPS=1 a skip whose reason names no GPU fails it. Mutation: the workers' list of
+    processes left alive not handed to the controller: with 2 workers the session passes and this fails."""
+    (tmp_path / "test_leaves.py").write_text(LEAVES_AND_SKIPS)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REQUIRE_NO_SKIPS": "1"}
+    cmd = [PYTHON, "-m", "pytest", "-p", "conftest", "-n", jobs, "-p", "no:cacheprovider", "test_leaves.py"]
+    proc = run(cmd, timeout=120, check=False, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout
+    assert "FAILED: 1 process(es) started by the tests still alive at the end:" in proc.stdout, proc.stdout
+    assert "pid " in proc.stdout and ": sleep 300" in proc.stdout, proc.stdout
+    assert "test_leaves.py::test_skips: no network" in proc.stdout, proc.stdout
+    pid = int(re.search(r"pid (\d+): sleep 300", proc.stdout)[1])
+    assert not alive(pid)
 
 
 def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(tmp_path):
