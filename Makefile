@@ -285,12 +285,15 @@ gpu-check: $(ENV) ## on a GPU machine: the GPU tests, then GPT-2 small bf16 eage
 # LOAD=N: the tests beside N busy processes (harness/busy.py), as on a machine shared with other jobs
 LOAD ?=
 LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
-test: $(ENV) ## run the test suite (about 65 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
-	$(LOADED) $(PY) -m pytest $(TEST_ARGS)
+# JOBS=N: test files run N at a time (pytest-xdist), each file whole on one worker; JOBS=0: one process
+JOBS ?= 2
+PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile
+test: $(ENV) ## run the test suite (about 45 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
+	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
 test-quick: $(ENV) ## the lessons' tests and the README's commands only (5 min on 2 cores beside a CI run)
-	$(LOADED) $(PY) -m pytest $(QUICK_TESTS) $(TEST_ARGS)
+	$(LOADED) $(PYTEST) $(QUICK_TESTS) $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .
