@@ -20,6 +20,7 @@ from conftest import (
     REPO,
     TORCHRUN,
     VENV,
+    doc_block,
     kill_group,
     popen,
     run,
@@ -98,6 +99,29 @@ def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):
     host = os.uname().nodename
     assert any(line.startswith(f"rank 0 ({host}, pid ") for line in report), report
     assert lines[-1].startswith(f"cause: {report[-1].removeprefix('verdict: ')}: "), lines[-1]
+
+
+DOC_MARKER = "<!-- tests/test_why_hung.py runs the next block as written -->"
+
+
+def test_the_pitfall_and_report_block_of_troubleshooting_md_runs_as_written(tmp_path):
+    """docs/troubleshooting.md's block, line by line, in a folder laid out as the repository's root: the
+    pitfall exits 1 with its dumps in runs/why-hung-PID, and `make why-hung` on the folder the next line
+    picks names rank 0 at its sleep while rank 1 waits in the barrier. Mutation: the block's RUN= pointing
+    at runs/ (no hang/ there): make exits 2, saying it found no dumps, and the test fails."""
+    for name in ("examples", "tools", "Makefile", "requirements.txt"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / ".venv").symlink_to(VENV)
+    env = {"PATH": f"{VENV / 'bin'}:{os.environ['PATH']}"}
+    first, second = doc_block("docs/troubleshooting.md", DOC_MARKER).strip().splitlines()
+    pitfall = run(["bash", "-c", first], timeout=120, check=False, cwd=tmp_path, env=env)
+    assert pitfall.returncode == 1 and pitfall.stdout.splitlines()[-1].startswith("cause: "), pitfall.stdout
+    assert len(list((tmp_path / "runs").glob("why-hung-*/hang/rank*.stack.txt"))) == 2, pitfall.stdout
+    report = run(["bash", "-c", second], timeout=120, cwd=tmp_path, env=env).stdout.strip().splitlines()
+    sleep = line_of(PITFALLS / "rank0_alone.py", "time.sleep(WORK")
+    here = f"examples/pitfalls/rank0_alone.py:{sleep}"
+    assert f"rank 0 is outside any collective, at {here}" in report[-1], report
+    assert "rank 1 waits in monitored_barrier" in report[-1], report
 
 
 def wait_for(path, seconds, proc):
