@@ -30,6 +30,7 @@ from conftest import (
     TrainLog,
     bound,
     communicate_while_progressing,
+    doc_block,
     example_cmd,
     free_port,
     kill_group,
@@ -122,6 +123,36 @@ def test_the_documented_restart_command_resumes_every_time_a_worker_is_killed(tm
         resumed = load_snapshot(snapshot)
         for part in ("MODEL_STATE", "OPTIMIZER_STATE"):  # bit for bit
             torch.testing.assert_close(resumed[part], expected[part], rtol=0, atol=0)
+
+
+DOC_MARKER = "<!-- tests/test_fault_tolerance.py runs the next block as written"
+
+
+@pytest.mark.timeout(360)
+def test_the_restart_block_of_docs_fault_tolerance_md_runs_as_written_and_recovers(tmp_path):
+    """docs/fault-tolerance.md's torchrun --max-restarts block, verbatim, in a folder laid out as the
+    repository's root; once demo_snapshot.pt holds 5 epochs, rank 1 is killed, as the page says to do by
+    hand (here the worker of this test's torchrun, not the oldest torchrun on the machine): torchrun starts
+    new workers, rank 0 resumes from the snapshot and the run ends at epoch 10, exit 0. Mutation: the block
+    without --max-restarts=3: torchrun gives up at the kill and the test fails."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    block = doc_block("docs/fault-tolerance.md", DOC_MARKER)
+    env = {"PATH": f"{Path(PYTHON).parent}{os.pathsep}{os.environ['PATH']}"}
+    with open(tmp_path / "out.txt", "w") as log:
+        agent = popen(["bash", "-c", block], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_epochs(tmp_path / "demo_snapshot.pt", 5, agent, limit=bound(240))
+        under = psutil.Process(agent.pid).children(recursive=True)  # bash (if it forked), torchrun, workers
+        workers = [p for p in under if "examples/multigpu_torchrun.py" in p.cmdline() and p.pid != agent.pid]
+        (rank1,) = [p for p in workers if p.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGKILL)
+        agent.wait(timeout=bound(240))
+    finally:
+        kill_group(agent)
+    out = (tmp_path / "out.txt").read_text()
+    assert agent.returncode == 0 and "failed (exitcode: -9)" in out, out[-4000:]
+    assert out.count("resuming from demo_snapshot.pt: 5 epochs already run\n") == 1, out[-4000:]
+    assert TrainLog(out).epochs[-1] == 10 and load_snapshot(tmp_path / "demo_snapshot.pt")["EPOCHS_RUN"] == 10
 
 
 def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tmp_path):
