@@ -2,8 +2,9 @@
 process it started, and its bound ends before pytest-timeout's; processes left alive and skips CI forbids
 fail the session, on pytest-xdist's workers too. Budget: about 45 s."""
 
+import contextlib
 import os
-import re
+import signal
 import time
 
 import pytest
@@ -19,6 +20,13 @@ def alive(pid):
     except ProcessLookupError:
         return False
     return not open(f"/proc/{pid}/stat").read().split(") ", 1)[1].startswith("Z")  # a zombie is gone
+
+
+def environ_mark(pid):
+    try:
+        return [v for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"DDP_TEST_SESSION" in v]
+    except OSError as exc:
+        return repr(exc)
 
 
 def test_a_command_past_its_bound_is_killed_with_its_whole_process_group(tmp_path):
@@ -50,9 +58,10 @@ def test_free_ports_are_never_handed_out_twice_and_nothing_listens_on_them():
 
 # a session of the suite's own conftest: one test leaves a process behind, one skips for no GPU reason
 LEAVES_AND_SKIPS = """
-import subprocess, pytest
+import os, subprocess, pytest
 def test_leaves_a_process():
-    subprocess.Popen(["sleep", "300"], start_new_session=True)
+    sleep = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    open("left", "w").write(f"{sleep.pid} {os.environ['DDP_TEST_SESSION']}")
 def test_skips():
     pytest.skip("no network")
 """
@@ -68,12 +77,19 @@ def test_a_process_left_alive_or_a_skip_ci_forbids_fails_the_session_with_or_wit
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REQUIRE_NO_SKIPS": "1"}
     cmd = [PYTHON, "-m", "pytest", "-p", "conftest", "-n", jobs, "-p", "no:cacheprovider", "test_leaves.py"]
     proc = run(cmd, timeout=120, check=False, env=env, cwd=tmp_path)
+    left, mark = (tmp_path / "left").read_text().split()
+    killed = not alive(int(left))
+    # if the session missed it: was the process still there, and did it carry the mark its worker looked for?
+    seen = f"pid {left} alive after the session: {not killed}; mark {mark}; its own: {environ_mark(left)}"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(left), signal.SIGKILL)  # not left behind by this test, whatever the session did
     assert proc.returncode == 1, proc.stdout
-    assert "FAILED: 1 process(es) started by the tests still alive at the end:" in proc.stdout, proc.stdout
-    assert "pid " in proc.stdout and ": sleep 300" in proc.stdout, proc.stdout
+    assert "FAILED: 1 process(es) started by the tests still alive at the end:" in proc.stdout, (
+        f"{seen}\n{proc.stdout}"
+    )
+    assert f"pid {left}: sleep 300" in proc.stdout, proc.stdout
     assert "test_leaves.py::test_skips: no network" in proc.stdout, proc.stdout
-    pid = int(re.search(r"pid (\d+): sleep 300", proc.stdout)[1])
-    assert not alive(pid)
+    assert killed, seen
 
 
 def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(tmp_path):
