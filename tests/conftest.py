@@ -145,10 +145,15 @@ def kill_group(proc):
         pass
 
 
+# Every Python process the tests start writes its threads' stacks to stderr if it crashes (SIGSEGV,
+# SIGABRT, ...): a crash seen once under load then says where it was.
+CRASH_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+
 def popen(cmd, *, env=None, cpu=True, **kwargs):
     """Popen cmd in a process group of its own (killed as one by kill_group), on the CPU unless cpu=False,
     with env added to this process's environment."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(CPU_ENV if cpu else {}), **(env or {})}
+    full_env = {**os.environ, **CRASH_ENV, **(CPU_ENV if cpu else {}), **(env or {})}
     return subprocess.Popen([str(c) for c in cmd], env=full_env, start_new_session=True, **kwargs)
 
 

@@ -41,6 +41,17 @@ def test_a_command_past_its_bound_is_killed_with_its_whole_process_group(tmp_pat
     assert not [pid for pid in children if alive(pid)], "grandchildren outlived the timeout"
 
 
+def test_a_process_the_tests_start_that_crashes_says_where():
+    """A segmentation fault in a started Python process (here a read of address 0) prints every thread's
+    Python stack into the output a failing test shows, with the function it was in. Mutation: popen
+    without PYTHONFAULTHANDLER: the process dies by SIGSEGV silently and this fails."""
+    program = "import ctypes\ndef reads_address_zero():\n    ctypes.string_at(0)\nreads_address_zero()\n"
+    proc = run([PYTHON, "-c", program], timeout=60, check=False)
+    assert proc.returncode == -11, proc.stdout
+    assert "Fatal Python error: Segmentation fault" in proc.stdout, proc.stdout
+    assert "line 3 in reads_address_zero" in proc.stdout, proc.stdout
+
+
 @pytest.mark.timeout(20)
 def test_a_bound_beyond_pytest_timeout_is_cut_to_end_before_it():
     start = time.monotonic()
