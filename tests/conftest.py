@@ -154,6 +154,8 @@ def popen(cmd, *, env=None, cpu=True, **kwargs):
     """Popen cmd in a process group of its own (killed as one by kill_group), on the CPU unless cpu=False,
     with env added to this process's environment."""
     full_env = {**os.environ, **CRASH_ENV, **(CPU_ENV if cpu else {}), **(env or {})}
+    # a make the command runs is a user's top-level make, not a sub-make of `make test` ("make[1]: ...")
+    full_env.pop("MAKELEVEL", None)
     return subprocess.Popen([str(c) for c in cmd], env=full_env, start_new_session=True, **kwargs)
 
 

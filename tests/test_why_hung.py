@@ -117,9 +117,7 @@ def test_the_pitfall_and_report_block_of_troubleshooting_md_runs_as_written(tmp_
     pitfall = run(["bash", "-c", first], timeout=120, check=False, cwd=tmp_path, env=env)
     assert pitfall.returncode == 1 and pitfall.stdout.splitlines()[-1].startswith("cause: "), pitfall.stdout
     assert len(list((tmp_path / "runs").glob("why-hung-*/hang/rank*.stack.txt"))) == 2, pitfall.stdout
-    # make run from `make test` says "make[1]: Entering directory" around it: not the report's lines
-    out = run(["bash", "-c", second], timeout=120, cwd=tmp_path, env=env).stdout.strip().splitlines()
-    report = [line for line in out if not line.startswith("make[")]
+    report = run(["bash", "-c", second], timeout=120, cwd=tmp_path, env=env).stdout.strip().splitlines()
     sleep = line_of(PITFALLS / "rank0_alone.py", "time.sleep(WORK")
     here = f"examples/pitfalls/rank0_alone.py:{sleep}"
     assert f"rank 0 is outside any collective, at {here}" in report[-1], report
