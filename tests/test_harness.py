@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from conftest import PYTHON, REPO, free_port, run
+from conftest import PYTHON, REPO, SESSION_VAR, free_port, run
 
 # a shell that starts two grandchildren, writes their process ids, and waits for them
 TREE = 'sleep 300 & echo $! >> "$0"; sleep 300 & echo $! >> "$0"; wait'
@@ -24,7 +24,9 @@ def alive(pid):
 
 def environ_mark(pid):
     try:
-        return [v for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"DDP_TEST_SESSION" in v]
+        return [
+            v for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if SESSION_VAR.encode() in v
+        ]
     except OSError as exc:
         return repr(exc)
 
