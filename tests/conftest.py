@@ -96,7 +96,6 @@ CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 RUN_ID = secrets.token_hex(3)
 # Every process the suite starts inherits this variable; at the end of the session none may be left alive.
 SESSION_VAR = "DDP_TEST_SESSION"
-os.environ[SESSION_VAR] = f"{os.getpid()}-{RUN_ID}"
 # pytest-timeout's bound of the running test (its own bounds stay below it): a time.monotonic() deadline
 _deadline = [float("inf")]
 PORT_LOCKS = Path(tempfile.gettempdir()) / "ddp-test-ports"
@@ -359,6 +358,13 @@ def load_snapshot(path):
 # ---- session hooks: the bound of each test, processes left alive, skips that CI does not allow ----
 
 
+def pytest_configure(config):
+    """Mark the session, once: pytest-xdist's workers keep the mark of the session that started them, so that
+    one check at its end finds a process that any worker's tests left."""
+    if not hasattr(config, "workerinput"):
+        os.environ[SESSION_VAR] = f"{os.getpid()}-{RUN_ID}"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     timeout = pytest_timeout._get_item_settings(item).timeout
@@ -403,22 +409,14 @@ def leftover_processes():
     return left
 
 
-_left_by_workers = []  # under pytest-xdist (make test's JOBS): what each worker found still alive
-
-
-def pytest_testnodedown(node, error):
-    _left_by_workers.extend(getattr(node, "workeroutput", {}).get("left_alive", []))
-
-
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers, which carry the mark too
 def pytest_sessionfinish(session):
     """Fail the session if a process it started is still alive 10 s after the last test (and kill it), and
-    with REQUIRE_NO_SKIPS=1 (CI) if a test skipped for a reason that names no GPU. Under pytest-xdist each
-    worker checks the processes of its own tests and hands the list to the controller, which reports."""
-    left = leftover_processes()
+    with REQUIRE_NO_SKIPS=1 (CI) if a test skipped for a reason that names no GPU. Under pytest-xdist the
+    session that started the workers checks, once they have stopped."""
     if hasattr(session.config, "workerinput"):
-        session.config.workeroutput["left_alive"] = left
         return
-    left += _left_by_workers
+    left = leftover_processes()
     write = session.config.get_terminal_writer().line
     if left:
         write(f"\nFAILED: {len(left)} process(es) started by the tests still alive at the end:", red=True)

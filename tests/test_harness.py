@@ -84,8 +84,9 @@ def test_skips():
 def test_a_process_left_alive_or_a_skip_ci_forbids_fails_the_session_with_or_without_workers(tmp_path, jobs):
     """The suite's session rules hold whether make test runs it in one process (JOBS=0) or on pytest-xdist
     workers (JOBS=2): a process a test started and left running fails the session, named, and is killed;
-    with REQUIRE_NO_SKIPS=1 a skip whose reason names no GPU fails it. Mutation: the workers' list of
-    processes left alive not handed to the controller: with 2 workers the session passes and this fails."""
+    with REQUIRE_NO_SKIPS=1 a skip whose reason names no GPU fails it. Mutation: each worker marking its own
+    processes (the old design, whose worker lists reached the session through pytest-xdist and twice in
+    CI did not): with 2 workers the session passes and this fails."""
     (tmp_path / "test_leaves.py").write_text(LEAVES_AND_SKIPS)
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REQUIRE_NO_SKIPS": "1"}
     cmd = [PYTHON, "-m", "pytest", "-p", "conftest", "-n", jobs, "-p", "no:cacheprovider", "test_leaves.py"]
