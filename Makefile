@@ -1,9 +1,11 @@
 # One target per step of the tutorial. Every target creates the Python environment first if it is missing.
-# Override on the command line:  make multigpu EPOCHS=20 NPROC=4 ARGS="--workload vision"
+# Override on the command line:  make multigpu EPOCHS=20 NPROC=4 ARGS="--batch_size 64" VISION=1
 
 EPOCHS ?= 10
 SAVE_EVERY ?= 5
 ARGS ?=
+# VISION=1: the step on ResNet-18 and synthetic images (examples/vision.py), the work a GPU notices
+VISION ?=
 # GPUs: those CUDA_VISIBLE_DEVICES names where it is set (set and empty: none, the CPU; the tests hide the
 # GPUs so), else the ones nvidia-smi lists; GPUS=0 on the command line also means the CPU.
 # Processes per node: one per GPU, or 2 on a machine without GPUs.
@@ -32,7 +34,7 @@ ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
 # $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too)
 step = mkdir -p $(RUNS)/$@ && $(PYTHON3) harness/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
-  $(if $(RDZV_PORT),--port $(RDZV_PORT)) --python '$(PY)' -- $(TRAIN_ARGS)
+  $(if $(RDZV_PORT),--port $(RDZV_PORT)) $(if $(VISION),--vision) --python '$(PY)' -- $(TRAIN_ARGS)
 STEPS := single_gpu multigpu multigpu_torchrun multinode
 # $(call retry,COMMAND): up to three tries, for downloads through a flaky network.
 retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; test -n "$$ok"

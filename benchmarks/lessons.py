@@ -53,9 +53,10 @@ class Variant:
     def processes(self):
         return 1 if self.one_process else self.ranks
 
-    def command(self, args):
+    def command(self, args, workload):
         nproc = self.ranks // 2 if self.step == "multinode" else self.ranks  # per node
-        return steps.command(self.step, args, nproc=nproc, script=self.script, root=REPO)
+        vision = workload == "vision"  # the lesson run by examples/vision.py
+        return steps.command(self.step, args, nproc=nproc, script=self.script, root=REPO, vision=vision)
 
 
 def make_variants(nproc, gpus=0):
@@ -149,8 +150,6 @@ def run_variant(variant, workload, settings, folder, timeout):
     args += ["--snapshot_path", folder / "snapshot.pt"]
     if variant.script:
         args += ["--metrics_path", metrics, *variant.options]
-    else:
-        args += ["--workload", workload]
     threads = max(
         1, settings["cores"] // variant.processes
     )  # every process, both "nodes" too, on this machine
@@ -160,7 +159,7 @@ def run_variant(variant, workload, settings, folder, timeout):
     deadline = time.monotonic() + timeout
     with open(log, "w") as out:
         try:
-            for cmd in variant.command(args):
+            for cmd in variant.command(args, workload):
                 procs.append(
                     subprocess.Popen(
                         cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder,

@@ -5,8 +5,9 @@
 
 Runs the root compose.yaml once per link rate and repeat, in a rotated order, under a project name of its
 own (removed afterwards), with the image Compose would use (built first if missing); the nodes' command
-gets --dataset_size added. Throughput is the mean of rank 0's samples/s after the first (warm-up) epoch.
-Prints samples/s per rate and its ratio to the unshaped link, each ratio taken within the same round.
+gets --dataset_size added, and for vision examples/vision.py in front (ResNet-18). Throughput is the mean
+of rank 0's samples/s after the first (warm-up) epoch. Prints samples/s per rate and its ratio to the
+unshaped link, each ratio taken within the same round.
 """
 
 import argparse
@@ -35,13 +36,18 @@ def compose(project, rate, env, *args, timeout, extra=None):
     )
 
 
-def with_dataset_size(env, size, folder):
-    """A compose file for -f that adds --dataset_size to both nodes' command as compose.yaml resolves it."""
+def with_dataset_size(env, size, folder, vision):
+    """A compose file for -f that adds --dataset_size to both nodes' command as compose.yaml resolves it,
+    and with vision runs it by examples/vision.py (ResNet-18)."""
     config = compose("ddplinkbench", "unshaped", env, "config", "--format", "json", timeout=60)
     if config.returncode != 0:
         sys.exit(f"error: docker compose config failed:\n{config.stderr}")
     services = json.loads(config.stdout)["services"]
-    extra = {n: {"command": [*services[n]["command"], f"--dataset_size={size}"]} for n in ("node0", "node1")}
+    wrapper = ["examples/vision.py"] if vision else []
+    extra = {
+        n: {"command": [*wrapper, *services[n]["command"], f"--dataset_size={size}"]}
+        for n in ("node0", "node1")
+    }
     path = Path(folder) / "dataset-size.yaml"
     path.write_text(json.dumps({"services": extra}))  # JSON is YAML
     return str(path)
@@ -76,12 +82,12 @@ def main():
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the first epoch is left out")
-    env = {"WORKLOAD": args.workload, "NPROC_PER_NODE": str(args.nproc), "EPOCHS": str(args.epochs)}
+    env = {"NPROC_PER_NODE": str(args.nproc), "EPOCHS": str(args.epochs)}
     env["SAVE_EVERY"] = str(args.epochs)
     rates = [UNSHAPED, *args.rates]
     results = {rate: [] for rate in rates}
     with tempfile.TemporaryDirectory() as folder:
-        extra = with_dataset_size(env, args.dataset_size, folder)
+        extra = with_dataset_size(env, args.dataset_size, folder, args.workload == "vision")
         for round_ in range(args.repeats):
             order = rates[round_ % len(rates) :] + rates[: round_ % len(rates)]
             for rate in order:

@@ -3,6 +3,7 @@
     python harness/steps.py single_gpu -- 10 5                # python examples/single_gpu.py 10 5
     python harness/steps.py multinode --nproc 2 -- 10 5       # two local nodes of 2 processes each
     python harness/steps.py multigpu --dry-run -- 10 5        # print the command(s) only
+    python harness/steps.py multigpu --vision -- 10 5         # on ResNet-18 (examples/vision.py)
 
 The Makefile, benchmarks/lessons.py and the tests start the examples through `command()`. Only the standard
 library is used, so that the host's python3 can start the steps inside a container too (--python
@@ -41,32 +42,37 @@ def free_port():
         return s.getsockname()[1]
 
 
-def command(step, args=(), *, nproc=2, python=(sys.executable,), script=None, port=None, root=""):
+def command(
+    step, args=(), *, nproc=2, python=(sys.executable,), script=None, port=None, root="", vision=False
+):
     """The command lines that start `step` with `nproc` processes (per node): one list per node.
 
     python: the interpreter, as a list (a container's, for example); root: the repository's folder, which
     the paths of examples/STEP.py and tools/launch.py are relative to (default: the working folder);
-    script: another path for the example; port: multinode's rendezvous port (default: a free one).
+    script: another path for the example; port: multinode's rendezvous port (default: a free one);
+    vision: the example run on ResNet-18 through examples/vision.py.
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
-    script = str(script or os.path.join(root, "examples", f"{step}.py"))
+    script = [str(script or os.path.join(root, "examples", f"{step}.py"))]
+    if vision:
+        script.insert(0, os.path.join(root, "examples", "vision.py"))
     args, python = [str(a) for a in args], list(python)
     how = STEPS[step]
     if how == "python":
-        return [[*python, script, *args]]
+        return [[*python, *script, *args]]
     if how == "spawn":
-        return [[*python, script, *args, "--nproc", str(nproc)]]
+        return [[*python, *script, *args, "--nproc", str(nproc)]]
     if how == "ray":  # the head offers nproc CPUs: room for nproc workers on the CPU
         local = [*python, os.path.join(root, "harness", "ray_local.py"), f"--num-cpus={nproc}", "--"]
-        return [[*local, *python, script, *args, "--nproc", str(nproc)]]
+        return [[*local, *python, *script, *args, "--nproc", str(nproc)]]
     procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":
-        return [[*python, "-m", "torch.distributed.run", "--standalone", procs, script, *args]]
+        return [[*python, "-m", "torch.distributed.run", "--standalone", procs, *script, *args]]
     port = port or free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=local{port}"]
     launch = [*python, os.path.join(root, "tools", "launch.py"), "--nnodes=2", procs, *rendezvous]
-    return [[*launch, f"--rdzv-conf={RDZV_CONF}", script, *args] for _ in range(2)]
+    return [[*launch, f"--rdzv-conf={RDZV_CONF}", *script, *args] for _ in range(2)]
 
 
 def gpu_split(gpus, nodes):
@@ -113,6 +119,7 @@ def main(argv=None):
     parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine, split between local nodes")
     parser.add_argument("--port", type=int, help="multinode's rendezvous port (default: a free one)")
     parser.add_argument("--python", default=sys.executable, help="interpreter command (default: this one)")
+    parser.add_argument("--vision", action="store_true", help="on ResNet-18 (examples/vision.py)")
     parser.add_argument("--dry-run", action="store_true", help="print the command(s), run nothing")
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after --: the example's own arguments
@@ -125,7 +132,9 @@ def main(argv=None):
         # one thread a process where several share the cores: what torchrun sets, without its banner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     python = shlex.split(args.python)
-    commands = command(args.step, example_args, nproc=args.nproc, python=python, port=args.port)
+    commands = command(
+        args.step, example_args, nproc=args.nproc, python=python, port=args.port, vision=args.vision
+    )
     if args.dry_run:
         print("\n".join(shlex.join(cmd) for cmd in commands))
         return 0

@@ -313,10 +313,11 @@ def need(available, reason, require_var):
     pytest.skip(reason)
 
 
-def example_cmd(name, *args, nproc=2, script=None):
-    """The command that starts an example the way it is meant to be started (plain, spawn or torchrun)."""
+def example_cmd(name, *args, nproc=2, script=None, vision=False):
+    """The command that starts an example the way it is meant to be started (plain, spawn or torchrun);
+    vision: on ResNet-18, run by examples/vision.py."""
     port = free_port() if steps.STEPS[name] == "nodes" else None  # multinode's rendezvous
-    return steps.command(name, args, nproc=nproc, script=script, port=port, root=REPO)[0]
+    return steps.command(name, args, nproc=nproc, script=script, port=port, root=REPO, vision=vision)[0]
 
 
 def import_gpt_module(name):

@@ -16,7 +16,7 @@ CASES = [
     (["1", "0"], "save_every must be positive"),
     (["x", "1"], "invalid int value: 'x'"),
     (["1", "1", "--batch_size", "0"], "batch_size must be positive"),
-    (["1", "1", "--workload", "nope"], "invalid choice: 'nope'"),
+    (["1", "1", "--lr", "fast"], "invalid float value: 'fast'"),
     (["1", "1", "--lr", "-1"], "lr must be positive"),
     (["1", "1", "--dataset_size", "0"], "dataset_size must be positive"),
     (["1", "1", "--nproc", "2"], "unrecognized arguments: --nproc"),  # mp.spawn's option: multigpu.py only

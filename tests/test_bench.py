@@ -92,9 +92,12 @@ def test_every_variant_starts_its_ranks_and_has_its_rows():
     variants = bench.make_variants(2)
     assert [v.name for v in variants] == VARIANTS
     for v in variants:
-        commands = v.command(["2", "2"])
+        commands = v.command(["2", "2"], "tiny")
         assert sum(map(processes, commands)) == v.ranks, (v.name, commands)
         assert len(commands) == (2 if v.name == "two_nodes" else 1), v.name
+        # the vision workload: the same lesson, run by examples/vision.py
+        vision = v.command(["2", "2"], "vision")
+        assert all(cmd[cmd.index(str(REPO / "examples" / "vision.py")) + 1].endswith(".py") for cmd in vision)
     settings = {"workloads": ["tiny"], "gpus": 0, "global_batch": 32, "tiny_size": 64, "mode": "quick"}
     settings |= {"repeats": 1, "epochs": 2, "load_before": [0.0], "load_after": [0.0]}
     results = [

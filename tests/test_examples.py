@@ -264,9 +264,10 @@ def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path
     args = [2, 1, "--snapshot_path", "snap.pt"]
     if case == "does not fit":
         shutil.copy(tmp_path / "a" / "snap.pt", tmp_path / "b")
-        args += ["--workload", "vision", "--dataset_size", 16]
+        args += ["--dataset_size", 16]
     before = {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")}
-    nodes = steps.command("multinode", args, nproc=2, port=(port := free_port()), root=REPO)
+    vision = case == "does not fit"
+    nodes = steps.command("multinode", args, nproc=2, port=(port := free_port()), root=REPO, vision=vision)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     procs = [popen(nodes[0], cwd=tmp_path / "a", **pipes)]
     try:

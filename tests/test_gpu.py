@@ -32,9 +32,9 @@ COMMON = ["--seed", "5", "--dataset_size", "4096", "--momentum", "0.9"]
 DDP_EXAMPLES = ["multigpu", "multigpu_torchrun", "multigpu_accelerate"]
 
 
-def train(name, folder, *args, nproc=GPUS):
+def train(name, folder, *args, nproc=GPUS, vision=False):
     folder.mkdir(parents=True, exist_ok=True)
-    proc = run(example_cmd(name, *args, nproc=nproc), timeout=300, cwd=folder, env=GPU_ENV)
+    proc = run(example_cmd(name, *args, nproc=nproc, vision=vision), timeout=300, cwd=folder, env=GPU_ENV)
     return TrainLog(proc.stdout)
 
 
@@ -126,9 +126,20 @@ def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
 
 
 def test_vision_on_the_gpus(tmp_path):
-    log = train("multigpu_torchrun", tmp_path, 4, 4, "--workload", "vision", "--dataset_size", 1024)
+    log = train("multigpu_torchrun", tmp_path, 4, 4, "--dataset_size", 1024, vision=True)
     log.assert_trained(GPUS, factor=2)
     assert log.backend == "nccl"
+    assert devices(tmp_path / "multigpu_torchrun_snapshot.pt") == {"cuda"}
+
+
+def test_vision_with_sync_batchnorm_on_the_gpus(tmp_path):
+    """--sync_bn: ResNet-18's BatchNorm layers made SyncBatchNorm before DDP; it trains on every GPU (its
+    numbers against one process: examples/pitfalls/batchnorm_stats.py --fixed, in test_pitfalls)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GPUS}"]
+    cmd += [EXAMPLES / "vision.py", "--sync_bn", EXAMPLES / "multigpu_torchrun.py", 3, 3]
+    cmd += ["--dataset_size", 512]
+    log = TrainLog(run(cmd, timeout=300, cwd=tmp_path, env=GPU_ENV).stdout)
+    log.assert_trained(GPUS, factor=2)
     assert devices(tmp_path / "multigpu_torchrun_snapshot.pt") == {"cuda"}
 
 

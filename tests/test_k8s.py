@@ -148,8 +148,8 @@ BROKEN = {
     "trainjob name": ("trainjob/trainjob.yaml", "name: ddp-multinode", "name: ddp_multinode", "RFC 1035", 1),
     "operator's variable": (
         "trainjob/trainjob.yaml",
-        "      - name: WORKLOAD",
-        "      - name: PET_NNODES\n        value: '2'\n      - name: WORKLOAD",
+        "      - name: RDZV_ID",
+        "      - name: PET_NNODES\n        value: '2'\n      - name: RDZV_ID",
         "must not set ['PET_NNODES']",
         1,
     ),

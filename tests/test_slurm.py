@@ -131,7 +131,7 @@ def test_job_trains_across_two_nodes(slurm_env, tmp_path, script, allocation):
     state, _, output = submit_and_wait(
         slurm_env,
         tmp_path,
-        ["5", "2", "--workload", "tiny", "--seed", "0"],
+        ["5", "2", "--seed", "0"],
         {"SCRIPT": script, "SNAPSHOT_PATH": str(snapshot)},
         sbatch_opts=[allocation],
     )
@@ -172,7 +172,7 @@ def test_job_without_rendezvous_fails_in_bound(slurm_env, tmp_path):
     state, elapsed, output = submit_and_wait(
         slurm_env,
         tmp_path,
-        ["5", "2", "--workload", "tiny"],
+        ["5", "2"],
         {"RDZV_HOST": "192.0.2.1", "SNAPSHOT_PATH": str(tmp_path / "snapshot.pt")},
     )
     assert state == "FAILED", output[-4000:]
@@ -239,7 +239,7 @@ def test_job_resumes_after_a_training_process_dies(slurm_env, tmp_path):
     state, _, output = submit_and_wait(
         slurm_env,
         tmp_path,
-        ["6", "1", "--workload", "tiny", "--dataset_size", "40000"],
+        ["6", "1", "--dataset_size", "40000"],
         {"SNAPSHOT_PATH": snapshot},
         while_running=kill_one_after_first_epoch,
     )

@@ -42,12 +42,11 @@ def test_a_bad_snapshot_stops_the_run_and_is_left_untouched(good_snapshot, tmp_p
         torch.save(content, path)
     before = path.read_bytes()
     args = [3, 1, "--snapshot_path", path, "--dataset_size", 64]
-    if workload == "vision":
-        args += ["--workload", "vision"]
     # torch.load's own default would run the pickle's code under this variable: only weights_only=True, passed
     # by the example itself, refuses it (the shared snapshots block is the same in every example)
     env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
-    proc = run(example_cmd("single_gpu", *args), timeout=300, check=False, cwd=tmp_path, env=env)
+    cmd = example_cmd("single_gpu", *args, vision=workload == "vision")
+    proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=env)
     assert proc.returncode != 0
     assert f"cannot resume from {path}" in proc.stdout and "Move it away" in proc.stdout, proc.stdout
     assert "epoch 1/" not in proc.stdout, "nothing trains from scratch"
@@ -62,8 +61,8 @@ def test_a_snapshot_that_does_not_fit_is_explained_once_whole_and_last_under_mp_
     (not a first line cut short), and mp.spawn adds no traceback after it."""
     path = tmp_path / "snap.pt"
     path.write_bytes(good_snapshot)
-    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16, "--workload", "vision", "--nproc", 2]
-    proc = run(example_cmd("multigpu", *args), timeout=300, check=False, cwd=tmp_path)
+    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16, "--nproc", 2]
+    proc = run(example_cmd("multigpu", *args, vision=True), timeout=300, check=False, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     assert out.count(f"error: cannot resume from {path}: RuntimeError(") == 1, out[-3000:]
@@ -81,8 +80,8 @@ def test_under_torchrun_a_snapshot_that_does_not_fit_is_said_once_as_its_summary
     torchrun's closing summary (rank 0's error file); the other process ends quietly, nothing is written."""
     path = tmp_path / "snap.pt"
     path.write_bytes(good_snapshot)
-    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16, "--workload", "vision"]
-    proc = run(example_cmd(lesson, *args, nproc=2), timeout=300, check=False, cwd=tmp_path)
+    args = [3, 1, "--snapshot_path", path, "--dataset_size", 16]
+    proc = run(example_cmd(lesson, *args, nproc=2, vision=True), timeout=300, check=False, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     assert out.count(f"cannot resume from {path}") == 1, out[-3000:]

@@ -1,14 +1,38 @@
 """The vision workload: ResNet-18 on synthetic images."""
 
-from conftest import TrainLog, example_cmd, load_snapshot, run
+from conftest import EXAMPLES, PYTHON, TrainLog, example_cmd, load_snapshot, run
 
-TINY = ["--workload", "vision", "--batch_size", "4", "--momentum", "0.9"]
+TINY = ["--batch_size", "4", "--momentum", "0.9"]
 
 
 def test_trains_on_synthetic_images(tmp_path):
-    cmd = example_cmd("single_gpu", 3, 3, *TINY, "--dataset_size", "128")
+    cmd = example_cmd("single_gpu", 3, 3, *TINY, "--dataset_size", "128", vision=True)
     log = TrainLog(run(cmd, timeout=600, cwd=tmp_path).stdout)  # ResNet-18 on 32x32 images: 96 steps
     assert log.epochs == [1, 2, 3]
     # each class is a pattern plus noise, so there is something to learn and the loss falls
     assert log.losses[-1] < log.losses[0] / 2, log.losses
     assert load_snapshot(tmp_path / "single_gpu_snapshot.pt")["MODEL_STATE"]["fc.weight"].shape == (10, 512)
+
+
+def test_without_a_lesson_it_says_how_to_call_it_and_the_lessons_own_checks_still_hold(tmp_path):
+    """vision.py names its missing argument (exit 2); given a lesson, bad input meets the lesson's own
+    argparse, under the lesson's name; neither leaves a file. Mutation: sys.argv left as it came, with
+    vision.py first, so that the lesson is not what runs: this fails."""
+    alone = run([PYTHON, EXAMPLES / "vision.py"], timeout=60, check=False, cwd=tmp_path)
+    assert alone.returncode == 2 and "error: name a lesson's file first" in alone.stdout, alone.stdout
+    bad = run([PYTHON, EXAMPLES / "vision.py", EXAMPLES / "single_gpu.py", 0, 1], timeout=120, check=False,
+              cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2, bad.stdout
+    assert "single_gpu.py: error: total_epochs must be positive, got 0" in bad.stdout, bad.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
+    """SyncBatchNorm runs on GPUs only (tests/test_gpu.py trains with it): on the CPU --sync_bn is refused
+    at once, exit 2, nothing written. Mutation: no such check: every process fails in its first forward
+    with a traceback, exit 1, and this fails."""
+    cmd = [PYTHON, EXAMPLES / "vision.py", "--sync_bn", EXAMPLES / "multigpu.py", 1, 1, "--dataset_size", 16]
+    proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert "error: --sync_bn needs GPUs: SyncBatchNorm does not run on the CPU" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
