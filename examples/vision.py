@@ -6,9 +6,9 @@ torchrun --standalone --nproc-per-node=4 vision.py [--sync_bn] multigpu_torchrun
 
 The lesson runs unchanged but for its load_train_objs, which this file's replaces: a model and data that
 keep a GPU busy, for measuring DDP (benchmarks/lessons.py) or seeing it scale. Each image is a pattern of
-its class (10 classes) plus noise, so the loss falls. Every lesson but Ray's runs this way. --sync_bn
-(GPUs only): BatchNorm's statistics over the global batch, not each process's share of it
-(examples/pitfalls/batchnorm_stats.py shows the difference).
+its class (10 classes) plus noise, so the loss falls. Tried with single_gpu, multigpu, multigpu_torchrun,
+multinode and multigpu_accelerate. --sync_bn (GPUs only): BatchNorm's statistics over the global batch,
+not each process's share of it (examples/pitfalls/batchnorm_stats.py shows the difference).
 """
 
 import ast
