@@ -36,7 +36,7 @@ def compose(project, rate, env, *args, timeout, extra=None):
     )
 
 
-def with_dataset_size(env, size, folder, vision):
+def node_commands(env, size, folder, vision):
     """A compose file for -f that adds --dataset_size to both nodes' command as compose.yaml resolves it,
     and with vision runs it by examples/vision.py (ResNet-18)."""
     config = compose("ddplinkbench", "unshaped", env, "config", "--format", "json", timeout=60)
@@ -87,7 +87,7 @@ def main():
     rates = [UNSHAPED, *args.rates]
     results = {rate: [] for rate in rates}
     with tempfile.TemporaryDirectory() as folder:
-        extra = with_dataset_size(env, args.dataset_size, folder, args.workload == "vision")
+        extra = node_commands(env, args.dataset_size, folder, args.workload == "vision")
         for round_ in range(args.repeats):
             order = rates[round_ % len(rates) :] + rates[: round_ % len(rates)]
             for rate in order:

@@ -54,25 +54,25 @@ def command(
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
-    script = [str(script or os.path.join(root, "examples", f"{step}.py"))]
+    scripts = [str(script or os.path.join(root, "examples", f"{step}.py"))]
     if vision:
-        script.insert(0, os.path.join(root, "examples", "vision.py"))
+        scripts.insert(0, os.path.join(root, "examples", "vision.py"))
     args, python = [str(a) for a in args], list(python)
     how = STEPS[step]
     if how == "python":
-        return [[*python, *script, *args]]
+        return [[*python, *scripts, *args]]
     if how == "spawn":
-        return [[*python, *script, *args, "--nproc", str(nproc)]]
+        return [[*python, *scripts, *args, "--nproc", str(nproc)]]
     if how == "ray":  # the head offers nproc CPUs: room for nproc workers on the CPU
         local = [*python, os.path.join(root, "harness", "ray_local.py"), f"--num-cpus={nproc}", "--"]
-        return [[*local, *python, *script, *args, "--nproc", str(nproc)]]
+        return [[*local, *python, *scripts, *args, "--nproc", str(nproc)]]
     procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":
-        return [[*python, "-m", "torch.distributed.run", "--standalone", procs, *script, *args]]
+        return [[*python, "-m", "torch.distributed.run", "--standalone", procs, *scripts, *args]]
     port = port or free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=local{port}"]
     launch = [*python, os.path.join(root, "tools", "launch.py"), "--nnodes=2", procs, *rendezvous]
-    return [[*launch, f"--rdzv-conf={RDZV_CONF}", *script, *args] for _ in range(2)]
+    return [[*launch, f"--rdzv-conf={RDZV_CONF}", *scripts, *args] for _ in range(2)]
 
 
 def gpu_split(gpus, nodes):
