@@ -28,7 +28,7 @@ REFERENCE_FILES = ["-f", "compose.yaml"]
 SNAPSHOT = "/snapshots/multinode.pt"  # where the compose files have multinode.py save
 EPOCH_RE = re.compile(r"^epoch (\d+)/(\d+) \|", re.M)
 RESUME_RE = re.compile(r"^resuming from \S+: (\d+) epochs already run", re.M)
-SAME_RE = re.compile(r"^weights identical on (\d+) of (\d+) ranks", re.M)
+WORLD_RE = re.compile(r"^epoch \d+/\d+ \|.* \| world_size (\d+)$", re.M)
 DIGEST = (  # the model weights of the snapshot, as one sha256
     "import hashlib, torch; s = torch.load({path!r}, weights_only=True)['MODEL_STATE']; "
     "print(hashlib.sha256(b''.join(v.numpy().tobytes() for _, v in sorted(s.items()))).hexdigest())"
@@ -164,7 +164,7 @@ def failover(args, proj, deadline):
     finally:
         stop_following()
     log = proj.log("node0")
-    resumed, same = RESUME_RE.findall(log), SAME_RE.findall(log)
+    resumed, worlds = RESUME_RE.findall(log), WORLD_RE.findall(log)
     epochs = [int(e) for e, _ in EPOCH_RE.findall(log)]
     if resumed:
         rounds = f"{len(resumed)} time(s), from the snapshot of epoch {', then '.join(resumed)}"
@@ -172,12 +172,12 @@ def failover(args, proj, deadline):
     else:
         lines.append("the job never resumed: no new rendezvous round trained")
     end = f"epoch {epochs[-1]}/{args.epochs}" if epochs else "no epoch"
-    replicas = (
-        f"weights identical on {same[-1][0]} of {same[-1][1]} ranks (across both nodes)" if same else ""
-    )
-    lines.append(f"the job exited {status} at {end}" + (f": {replicas}" if replicas else ""))
+    # the last epoch's world is the first one's: both nodes, all their processes
+    whole = bool(worlds) and worlds[-1] == worlds[0]
+    world = f", world_size {worlds[-1]} as at the start (both nodes)" if whole else ""
+    lines.append(f"the job exited {status} at {end}{world}")
     ok = status == "0" and len(resumed) == len(failures) and epochs[-1:] == [args.epochs]
-    return {"lines": lines, "ok": ok and bool(same) and same[-1][0] == same[-1][1]}
+    return {"lines": lines, "ok": ok and whole}
 
 
 if __name__ == "__main__":

@@ -71,7 +71,6 @@ class Trainer:
             last = epoch + 1 == self.args.total_epochs
             if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
-        check_replicas(self.model.module)
 
 
 def main(rank, world_size, port, args):
@@ -85,17 +84,6 @@ def main(rank, world_size, port, args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     dist.destroy_process_group()
-
-
-def check_replicas(model):
-    """DDP keeps the replicas identical: count the ranks whose weights equal rank 0's."""
-    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
-    same = torch.tensor([float(torch.equal(mine, rank0))], device=mine.device)
-    dist.all_reduce(same)
-    if dist.get_rank() == 0:
-        print(f"weights identical on {same.item():.0f} of {dist.get_world_size()} ranks")
 
 
 def refuse(message):

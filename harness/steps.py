@@ -50,13 +50,14 @@ def command(
     python: the interpreter, as a list (a container's, for example); root: the repository's folder, which
     the paths of examples/STEP.py and tools/launch.py are relative to (default: the working folder);
     script: another path for the example; port: multinode's rendezvous port (default: a free one);
-    vision: the example run on ResNet-18 through examples/vision.py.
+    vision: the example run on ResNet-18 through examples/vision.py; a list: with vision.py's options.
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
     scripts = [str(script or os.path.join(root, "examples", f"{step}.py"))]
     if vision:
-        scripts.insert(0, os.path.join(root, "examples", "vision.py"))
+        options = [] if vision is True else [str(o) for o in vision]
+        scripts[:0] = [os.path.join(root, "examples", "vision.py"), *options]
     args, python = [str(a) for a in args], list(python)
     how = STEPS[step]
     if how == "python":

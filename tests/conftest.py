@@ -41,8 +41,6 @@ VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed t
 # The lessons' log lines; `make multinode` prefixes each node's output with "[nodeN] ". Rank 0, each epoch:
 NODE = r"^(?:\[\w+\] )?"
 EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
-# rank 0 at the end of a DDP run
-FINAL_RE = re.compile(NODE + r"weights identical on (\d+) of (\d+) ranks$", re.M)
 # every DDP process at its start; multinode.py adds its place: local rank, node and host. Not anchored: two
 # processes printing at once can put one's line break after the other's line.
 RANK_RE = re.compile(
@@ -63,7 +61,7 @@ def assert_world(text, per_host):
     """The rank lines in text (the output of every node) describe one world of sum(per_host.values())
     processes, per_host[name] of them on the node whose host name is name: each global rank once, every
     node with local ranks 0..n-1 and the block of global ranks that follows the nodes of lower GROUP_RANK
-    (whichever node that is: the rendezvous decides); and rank 0 says the replicas ended identical."""
+    (whichever node that is: the rendezvous decides); and rank 0's last epoch line counts them all."""
     lines = [
         (int(r), int(w), int(lr), int(lw), int(g), host)
         for r, w, _, _, lr, lw, g, host in RANK_RE.findall(text)
@@ -79,8 +77,8 @@ def assert_world(text, per_host):
     for rank, _, local, local_size, node, _ in lines:
         first = sum(nodes[lower][1] for lower in range(node))
         assert local < local_size and rank == first + local, f"rank {rank}: local {local} on node {node}"
-    identical = FINAL_RE.search(text)
-    assert identical and int(identical.group(1)) == world, f"replicas not shown identical:\n{text[-3000:]}"
+    last = EPOCH_RE.findall(text)[-1:]
+    assert last and int(last[0][3]) == world, f"no last epoch of a world of {world}:\n{text[-3000:]}"
 
 
 # The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that
@@ -220,7 +218,7 @@ def run(cmd, *, timeout, check=True, env=None, **kwargs):
 
 
 class TrainLog:
-    """What the processes printed: losses per epoch, world size, backend, where ranks ran, the final check."""
+    """What the processes printed: losses per epoch, world size, backend, where ranks ran."""
 
     def __init__(self, text):
         self.text = text
@@ -228,9 +226,6 @@ class TrainLog:
         self.epochs = [int(e[0]) for e in epochs]
         self.losses = [float(e[2]) for e in epochs]
         self.world_size = int(epochs[-1][3]) if epochs else None
-        final = FINAL_RE.search(text)
-        # a single process prints no final check: it is trivially in sync with itself
-        self.ranks_in_sync = int(final.group(1)) if final else (1 if epochs else None)
         # rank -> (device, backend, local rank, local world size, node, host); the last start counts
         self.ranks = {int(m[0]): (m[2], m[3], *m[4:]) for m in RANK_RE.findall(text)}
         self.backend = next(iter(self.ranks.values()))[1] if self.ranks else None  # gloo or nccl
@@ -240,7 +235,6 @@ class TrainLog:
     def assert_trained(self, world_size, factor=2.0):
         assert self.losses, f"no epoch lines in output:\n{self.text[-3000:]}"
         assert self.world_size == world_size, self.text[-3000:]
-        assert self.ranks_in_sync == world_size, f"ranks did not end in sync:\n{self.text[-3000:]}"
         assert self.losses[-1] * factor < self.losses[0], f"loss did not fall by {factor}x: {self.losses}"
 
 
@@ -315,7 +309,7 @@ def need(available, reason, require_var):
 
 def example_cmd(name, *args, nproc=2, script=None, vision=False):
     """The command that starts an example the way it is meant to be started (plain, spawn or torchrun);
-    vision: on ResNet-18, run by examples/vision.py."""
+    vision: on ResNet-18, run by examples/vision.py (a list: with its options)."""
     port = free_port() if steps.STEPS[name] == "nodes" else None  # multinode's rendezvous
     return steps.command(name, args, nproc=nproc, script=script, port=port, root=REPO, vision=vision)[0]
 

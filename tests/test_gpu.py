@@ -135,10 +135,7 @@ def test_vision_on_the_gpus(tmp_path):
 def test_vision_with_sync_batchnorm_on_the_gpus(tmp_path):
     """--sync_bn: ResNet-18's BatchNorm layers made SyncBatchNorm before DDP; it trains on every GPU (its
     numbers against one process: examples/pitfalls/batchnorm_stats.py --fixed, in test_pitfalls)."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GPUS}"]
-    cmd += [EXAMPLES / "vision.py", "--sync_bn", EXAMPLES / "multigpu_torchrun.py", 3, 3]
-    cmd += ["--dataset_size", 512]
-    log = TrainLog(run(cmd, timeout=300, cwd=tmp_path, env=GPU_ENV).stdout)
+    log = train("multigpu_torchrun", tmp_path, 3, 3, "--dataset_size", 512, vision=["--sync_bn"])
     log.assert_trained(GPUS, factor=2)
     assert devices(tmp_path / "multigpu_torchrun_snapshot.pt") == {"cuda"}
 

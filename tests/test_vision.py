@@ -31,7 +31,7 @@ def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
     """SyncBatchNorm runs on GPUs only (tests/test_gpu.py trains with it): on the CPU --sync_bn is refused
     at once, exit 2, nothing written. Mutation: no such check: every process fails in its first forward
     with a traceback, exit 1, and this fails."""
-    cmd = [PYTHON, EXAMPLES / "vision.py", "--sync_bn", EXAMPLES / "multigpu.py", 1, 1, "--dataset_size", 16]
+    cmd = example_cmd("multigpu", 1, 1, "--dataset_size", 16, vision=["--sync_bn"])  # as test_gpu starts it
     proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert "error: --sync_bn needs GPUs: SyncBatchNorm does not run on the CPU" in proc.stdout, proc.stdout
