@@ -55,7 +55,7 @@ def command(
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
     scripts = [str(script or os.path.join(root, "examples", f"{step}.py"))]
-    if vision:
+    if vision is not False:
         options = [] if vision is True else [str(o) for o in vision]
         scripts[:0] = [os.path.join(root, "examples", "vision.py"), *options]
     args, python = [str(a) for a in args], list(python)

@@ -61,7 +61,7 @@ def assert_world(text, per_host):
     """The rank lines in text (the output of every node) describe one world of sum(per_host.values())
     processes, per_host[name] of them on the node whose host name is name: each global rank once, every
     node with local ranks 0..n-1 and the block of global ranks that follows the nodes of lower GROUP_RANK
-    (whichever node that is: the rendezvous decides); and rank 0's last epoch line counts them all."""
+    (whichever node that is: the rendezvous decides); and rank 0's last epoch line says the same world."""
     lines = [
         (int(r), int(w), int(lr), int(lw), int(g), host)
         for r, w, _, _, lr, lw, g, host in RANK_RE.findall(text)
