@@ -26,9 +26,8 @@ from compose_project import Project, docker, wait_for
 FILES = ["-f", "compose.yaml", "-f", "compose/elastic.yaml"]  # the job of `docker compose up`, elastic
 REFERENCE_FILES = ["-f", "compose.yaml"]
 SNAPSHOT = "/snapshots/multinode.pt"  # where the compose files have multinode.py save
-EPOCH_RE = re.compile(r"^epoch (\d+)/(\d+) \|", re.M)
+EPOCH_RE = re.compile(r"^epoch (\d+)/\d+ \|.* \| world_size (\d+)$", re.M)  # the epoch and the world
 RESUME_RE = re.compile(r"^resuming from \S+: (\d+) epochs already run", re.M)
-WORLD_RE = re.compile(r"^epoch \d+/\d+ \|.* \| world_size (\d+)$", re.M)
 DIGEST = (  # the model weights of the snapshot, as one sha256
     "import hashlib, torch; s = torch.load({path!r}, weights_only=True)['MODEL_STATE']; "
     "print(hashlib.sha256(b''.join(v.numpy().tobytes() for _, v in sorted(s.items()))).hexdigest())"
@@ -164,8 +163,8 @@ def failover(args, proj, deadline):
     finally:
         stop_following()
     log = proj.log("node0")
-    resumed, worlds = RESUME_RE.findall(log), WORLD_RE.findall(log)
-    epochs = [int(e) for e, _ in EPOCH_RE.findall(log)]
+    resumed, logged = RESUME_RE.findall(log), EPOCH_RE.findall(log)
+    epochs, worlds = [int(e) for e, _ in logged], [w for _, w in logged]
     if resumed:
         rounds = f"{len(resumed)} time(s), from the snapshot of epoch {', then '.join(resumed)}"
         lines.append(f"node0's torchrun restarted its processes; the nodes met again and resumed {rounds}")
