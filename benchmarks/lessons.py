@@ -7,14 +7,17 @@
 Every variant but the tutorial's trains the same model from the same seed with the same global batch, so
 their loss curves should coincide; `tutorial` (benchmarks/tutorial_loop.py, tiny workload only) is the
 upstream tutorial's loop on its own random data, the baseline of plain/tutorial, and `tutorial_mse` the same
-loop with the lessons' loss, for a like-for-like plain/tutorial_mse. Throughput leaves out the first (warm-up)
-epoch. Rounds run every variant once, in an order rotated from round to round; each ratio is taken
+loop with the lessons' loss, for a like-for-like plain/tutorial_mse. An epoch's samples/s is measured here,
+the same way for every variant: its samples over the time between the arrivals of rank 0's epoch lines on
+the process's stdout (the first epoch's: since the process started); throughput leaves out that first
+(warm-up) epoch. Rounds run every variant once, in an order rotated from round to round; each ratio is taken
 within a round and then averaged, so drift in the load of a shared machine falls on both sides of it. Prints
 the tables and writes, under --out, bench.json (everything), table.md (the tables), loss.png (loss curves
 overlaid) and throughput.png (samples/s with error bars).
 """
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -24,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -107,65 +111,90 @@ RATIOS = [
 ]
 
 
-# The line rank 0 of a lesson prints per epoch,
-#     epoch 3/10 | loss 0.000102278 | 5993 samples/s | world_size 2
+# The line rank 0 of a lesson (and benchmarks/tutorial_loop.py) prints per epoch,
+#     epoch 3/10 | loss 0.000102278 | world_size 2
 # after any bracketed prefixes: "[node0] " from a launcher, "(RayTrainWorker pid=123) " from Ray.
 EPOCH_LINE = re.compile(
     r"^(?:\([^()]*\)\s*|\[[^\[\]]*\]\s*)*"
     r"epoch (?P<epoch>\d+)/\d+ \| "
     r"loss (?P<loss>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)) \| "
-    r"(?P<samples_per_s>\d+(?:\.\d*)?) samples/s \| "
     r"world_size (?P<world_size>\d+)\s*$"
 )
 ANSI_CODE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its prefixes
 
 
-def parse_epochs(text):
-    """The per-epoch metrics in a lesson's output: one dict per epoch line, in the order printed."""
-    epochs = []
-    for line in text.splitlines():
+def rates(arrivals, start, dataset_size):
+    """samples/s per epoch: dataset_size over the time since the previous epoch line arrived (the first
+    epoch: since start)."""
+    return [dataset_size / (now - before) for before, now in itertools.pairwise([start, *arrivals])]
+
+
+def parse_epochs(lines, start, dataset_size):
+    """The per-epoch metrics in one process's output, lines as (arrival, text): one dict per epoch line, in
+    the order printed, its samples/s measured from the arrivals."""
+    matches, arrivals = [], []
+    for arrival, line in lines:
         match = EPOCH_LINE.match(ANSI_CODE.sub("", line))
         if match:
-            epochs.append(
-                {
-                    "epoch": int(match["epoch"]),
-                    "loss": float(match["loss"]),
-                    "samples_per_s": float(match["samples_per_s"]),
-                    "world_size": int(match["world_size"]),
-                }
-            )
-    return epochs
+            matches.append(match)
+            arrivals.append(arrival)
+    speeds = rates(arrivals, start, dataset_size)
+    return [
+        {
+            "epoch": int(m["epoch"]),
+            "loss": float(m["loss"]),
+            "samples_per_s": speed,
+            "world_size": int(m["world_size"]),
+        }
+        for m, speed in zip(matches, speeds, strict=True)
+    ]
+
+
+def pump(stream, out, lock, lines):
+    """Copy a process's output to out line by line, noting in lines each one's arrival (time.monotonic())."""
+    with stream:
+        for line in stream:
+            lines.append((time.monotonic(), line))
+            with lock:
+                if not out.closed:
+                    out.write(line)
+                    out.flush()
 
 
 def run_variant(variant, workload, settings, folder, timeout):
-    """Train once; return the per-epoch metrics rank 0 printed (the tutorial's loop: wrote to a file). Every
+    """Train once; return the per-epoch metrics from rank 0's epoch lines, timed as they arrive. Every
     process ends within the timeout."""
     folder.mkdir(parents=True, exist_ok=True)
-    metrics = folder / "metrics.jsonl"  # the tutorial's loop only: the lessons print theirs
-    metrics.unlink(missing_ok=True)
     (folder / "snapshot.pt").unlink(missing_ok=True)
     epochs = settings["epochs"]
-    args = [epochs, epochs, "--dataset_size", settings[f"{workload}_size"], "--seed", settings["seed"]]
+    size = settings[f"{workload}_size"]
+    args = [epochs, epochs, "--dataset_size", size, "--seed", settings["seed"]]
     args += ["--batch_size", settings["global_batch"] // variant.processes]
-    args += ["--snapshot_path", folder / "snapshot.pt"]
-    if variant.script:
-        args += ["--metrics_path", metrics, *variant.options]
+    args += ["--snapshot_path", folder / "snapshot.pt", *variant.options]
     threads = max(
         1, settings["cores"] // variant.processes
     )  # every process, both "nodes" too, on this machine
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log = folder / "output.log"
     procs = []
+    readers = []  # per process: (its start, its lines as (arrival, text), the thread reading them)
+    lock = threading.Lock()
     deadline = time.monotonic() + timeout
     with open(log, "w") as out:
         try:
             for cmd in variant.command(args, workload):
+                start = time.monotonic()
                 procs.append(
                     subprocess.Popen(
-                        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder,
+                        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                        env=env, cwd=folder,
                         start_new_session=True,  # a process group of its own, to end it with its children
                     )
                 )  # fmt: skip
+                lines = []
+                reader = threading.Thread(target=pump, args=(procs[-1].stdout, out, lock, lines), daemon=True)
+                reader.start()
+                readers.append((start, lines, reader))
             codes = [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
         except subprocess.TimeoutExpired:
             codes = None
@@ -178,14 +207,15 @@ def run_variant(variant, workload, settings, folder, timeout):
                     except subprocess.TimeoutExpired:
                         os.killpg(p.pid, signal.SIGKILL)
                         p.wait(timeout=30)
+            for _, _, reader in readers:  # a child that left the group could hold the pipe open: bounded
+                reader.join(timeout=10)
+            with lock:  # closed here, not by `with`, so that no reader left over writes to it
+                out.close()
     output = log.read_text(errors="replace")
     found = []
     if codes is not None and not any(codes):
-        if variant.script:
-            if metrics.exists():
-                found = [json.loads(line) for line in metrics.read_text().splitlines()]
-        else:
-            found = parse_epochs(output)
+        for start, lines, _ in readers:
+            found += parse_epochs(list(lines), start, size)
     if codes is None or any(codes) or len(found) != epochs:
         if codes is None:
             reason = f"timed out after {timeout}s"

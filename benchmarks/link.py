@@ -5,9 +5,10 @@
 
 Runs the root compose.yaml once per link rate and repeat, in a rotated order, under a project name of its
 own (removed afterwards), with the image Compose would use (built first if missing); the nodes' command
-gets --dataset_size added, and for vision examples/vision.py in front (ResNet-18). Throughput is the mean
-of rank 0's samples/s after the first (warm-up) epoch. Prints samples/s per rate and its ratio to the
-unshaped link, each ratio taken within the same round.
+gets --dataset_size added, and for vision examples/vision.py in front (ResNet-18). An epoch's samples/s is
+--dataset_size over the time between Docker's timestamps of node0's consecutive epoch lines (rank 0's);
+throughput is their mean over the epochs after the first (warm-up). Prints samples/s per rate and its
+ratio to the unshaped link, each ratio taken within the same round.
 """
 
 import argparse
@@ -18,11 +19,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLES_RE = re.compile(r"^epoch (\d+)/\d+ \| loss \S+ \| (\d+) samples/s", re.M)
+# a line of `docker compose logs --timestamps --no-log-prefix node0`: Docker's RFC 3339 time, then rank 0's
+#     2026-11-28T01:02:03.123456789Z epoch 2/3 | loss 0.5 | world_size 2
+EPOCH_RE = re.compile(r"^(\S+) epoch (\d+)/\d+ \| loss \S+ \| world_size \d+", re.M)
 UNSHAPED = "unshaped"
+LOGS = ["logs", "--timestamps", "--no-log-prefix", "node0"]
 
 
 def compose(project, rate, env, *args, timeout, extra=None):
@@ -53,18 +58,24 @@ def node_commands(env, size, folder, vision):
     return str(path)
 
 
-def throughput(project, rate, env, timeout, extra):
+def epoch_rates(logs, dataset_size):
+    """samples/s of each epoch after the first: dataset_size over the time since the previous epoch line."""
+    times = {int(epoch): datetime.fromisoformat(stamp).timestamp() for stamp, epoch in EPOCH_RE.findall(logs)}
+    return [dataset_size / (times[e] - times[e - 1]) for e in sorted(times) if e > 1 and e - 1 in times]
+
+
+def throughput(project, rate, env, timeout, extra, dataset_size):
     """samples/s of one run at this rate: rank 0's epochs after the first, averaged."""
     compose(project, rate, env, "down", "--volumes", "--remove-orphans", timeout=120, extra=extra)
     try:
         up = ["up", "--abort-on-container-exit", "--exit-code-from", "node0"]
         proc = compose(project, rate, env, *up, timeout=timeout, extra=extra)
-        logs = compose(project, rate, env, "logs", "--no-log-prefix", "node0", timeout=60, extra=extra).stdout
+        logs = compose(project, rate, env, *LOGS, timeout=60, extra=extra).stdout
     finally:
         compose(project, rate, env, "down", "--volumes", "--remove-orphans", timeout=120, extra=extra)
     if proc.returncode != 0:
         sys.exit(f"error: the run at {rate} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-    rates = [int(s) for epoch, s in SAMPLES_RE.findall(logs) if int(epoch) > 1]
+    rates = epoch_rates(logs, dataset_size)
     if not rates:
         sys.exit(f"error: no epoch after the first in node0's output at {rate}:\n{logs[-3000:]}")
     return statistics.mean(rates)
@@ -91,7 +102,8 @@ def main():
         for round_ in range(args.repeats):
             order = rates[round_ % len(rates) :] + rates[: round_ % len(rates)]
             for rate in order:
-                results[rate].append(throughput(f"ddplinkbench{os.getpid()}", rate, env, args.timeout, extra))
+                project = f"ddplinkbench{os.getpid()}"
+                results[rate].append(throughput(project, rate, env, args.timeout, extra, args.dataset_size))
                 print(f"round {round_ + 1}: {rate}: {results[rate][-1]:.0f} samples/s", flush=True)
     n = args.nproc
     print(

@@ -6,7 +6,6 @@ python multigpu.py 10 5 [--nproc 4]    # each process trains on its share of eac
 import argparse
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -61,13 +60,12 @@ class Trainer:
 
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
             dist.all_reduce(loss)
             loss = loss / dist.get_world_size()
             if dist.get_rank() == 0:
-                log_epoch(self.args, epoch + 1, loss, start, dist.get_world_size())
+                log_epoch(self.args, epoch + 1, loss, dist.get_world_size())
             last = epoch + 1 == self.args.total_epochs
             if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
@@ -149,11 +147,10 @@ def load_snapshot(args, model, optimizer, device):
     return snapshot["EPOCHS_RUN"]
 
 
-def log_epoch(args, epoch, loss, start, world_size):
-    """The epoch's loss (the mean over the processes) and its speed."""
-    speed = args.dataset_size / (time.perf_counter() - start)
+def log_epoch(args, epoch, loss, world_size):
+    """The epoch's loss: the mean over the processes."""
     progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | {speed:.0f} samples/s | world_size {world_size}", flush=True)
+    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":

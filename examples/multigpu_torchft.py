@@ -7,7 +7,6 @@ torchrun --standalone --nproc-per-node=1 multigpu_torchft.py 40 5 --replica_grou
 import argparse
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -72,11 +71,10 @@ class Trainer:
     def train(self):
         epoch = self.manager.current_step() // len(self.train_data)
         while epoch < self.args.total_epochs:
-            start = time.perf_counter()
             loss = self._run_epoch(epoch)
             epoch = self.manager.current_step() // len(self.train_data)
             # every group logs and saves its own snapshot
-            log_epoch(self.args, epoch, loss, start, self.manager.num_participants())
+            log_epoch(self.args, epoch, loss, self.manager.num_participants())
             if epoch % self.args.save_every == 0 or epoch == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch)
         check_replicas(self.manager, self.model)
@@ -171,11 +169,10 @@ def load_snapshot(args, model, optimizer, device):
     return snapshot["EPOCHS_RUN"]
 
 
-def log_epoch(args, epoch, loss, start, world_size):
-    """The epoch's loss (the mean over the processes) and its speed."""
-    speed = args.dataset_size / (time.perf_counter() - start)
+def log_epoch(args, epoch, loss, world_size):
+    """The epoch's loss: the mean over the processes."""
     progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | {speed:.0f} samples/s | world_size {world_size}", flush=True)
+    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ python single_gpu.py 10 5    # 10 epochs, a snapshot every 5; run it again to re
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +41,8 @@ class Trainer:
 
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
-            start = time.perf_counter()
             loss = self._run_epoch(epoch)
-            log_epoch(self.args, epoch + 1, loss, start, 1)
+            log_epoch(self.args, epoch + 1, loss, 1)
             last = epoch + 1 == self.args.total_epochs
             if (epoch + 1) % self.args.save_every == 0 or last:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch + 1)
@@ -119,11 +117,10 @@ def load_snapshot(args, model, optimizer, device):
     return snapshot["EPOCHS_RUN"]
 
 
-def log_epoch(args, epoch, loss, start, world_size):
-    """The epoch's loss (the mean over the processes) and its speed."""
-    speed = args.dataset_size / (time.perf_counter() - start)
+def log_epoch(args, epoch, loss, world_size):
+    """The epoch's loss: the mean over the processes."""
     progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | {speed:.0f} samples/s | world_size {world_size}", flush=True)
+    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed t
 
 # The lessons' log lines; `make multinode` prefixes each node's output with "[nodeN] ". Rank 0, each epoch:
 NODE = r"^(?:\[\w+\] )?"
-EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| .*\| world_size (\d+)$", re.M)
+EPOCH_RE = re.compile(NODE + r"epoch (\d+)/(\d+) \| loss ([0-9.eE+-]+) \| world_size (\d+)$", re.M)
 # every DDP process at its start; multinode.py adds its place: local rank, node and host. Not anchored: two
 # processes printing at once can put one's line break after the other's line.
 RANK_RE = re.compile(

@@ -8,8 +8,10 @@ average 10 to 15 (a CI run beside it): this file 85 s of wall time and 22 s of C
 """
 
 import json
+import math
 
 import lessons as bench  # benchmarks/lessons.py (conftest puts benchmarks/ on sys.path)
+import link  # benchmarks/link.py
 import pytest
 from conftest import PYTHON, REPO, run
 
@@ -52,6 +54,13 @@ def test_report_has_every_variant_run_and_their_ratios(bench_run):
     # throughput leaves out the warm-up epoch
     first = report["runs"][0]
     assert first["samples_per_s"] == pytest.approx(first["epochs"][-1]["samples_per_s"])
+    # every epoch timed from the arrivals of its line: intervals that tile, start-up included, part of the run
+    size = report["settings"]["tiny_size"]
+    for r in report["runs"]:
+        assert [e["epoch"] for e in r["epochs"]] == [1, 2], r["variant"]
+        speeds = [e["samples_per_s"] for e in r["epochs"]]
+        assert all(math.isfinite(x) and x > 0 for x in speeds), (r["variant"], speeds)
+        assert sum(size / x for x in speeds) <= r["wall_s"], (r["variant"], speeds, r["wall_s"])
     # the same tables printed and written, every variant and ratio a row
     table = (out / "table.md").read_text()
     assert table in stdout
@@ -75,6 +84,42 @@ def test_loss_curves_agree(bench_run):
     assert runs["torchrun"] == pytest.approx(runs["plain"], rel=1e-4)
     # the tutorial trains on data of its own: not compared
     assert set(report["summary"]["tiny"]["max_abs_loss_diff_vs_plain"]) == {"torchrun"}
+
+
+def test_samples_per_s_from_arrivals():
+    """An epoch's samples/s: the dataset over the time since the previous epoch line arrived, the first since
+    the start; other lines, prefixes and colours ignored. Mutation: the division dropped (the interval
+    returned): [4.0, 2.0, 1.0] != [16.0, 32.0, 64.0]."""
+    assert bench.rates([5.0, 7.0, 8.0], 1.0, 64) == [16.0, 32.0, 64.0]
+    assert bench.rates([], 1.0, 64) == []
+    lines = [
+        (2.0, "training on cpu\n"),
+        (3.0, "[node0] epoch 1/3 | loss 0.5 | world_size 2\n"),
+        (3.5, "epoch 0: model saved to snapshot.pt\n"),  # the tutorial's loop
+        (4.0, "\x1b[36m(RayTrainWorker pid=1)\x1b[0m epoch 2/3 | loss 0.25 | world_size 2\n"),
+        (6.0, "epoch 3/3 | loss 1e-05 | world_size 2\n"),
+    ]
+    epochs = bench.parse_epochs(lines, 1.0, 64)
+    assert [list(e) for e in epochs] == [["epoch", "loss", "samples_per_s", "world_size"]] * 3
+    assert [(e["epoch"], e["loss"], e["samples_per_s"]) for e in epochs] == [
+        (1, 0.5, 32),
+        (2, 0.25, 64),
+        (3, 1e-5, 32),
+    ]
+
+
+def test_link_samples_per_s_from_docker_timestamps():
+    """link.py: Docker's timestamps of node0's epoch lines, epoch 1 left out."""
+    logs = "".join(
+        [
+            "2026-11-28T01:02:00.5Z training on cpu\n",
+            "2026-11-28T01:02:01.000000000Z epoch 1/3 | loss 0.9 | world_size 2\n",
+            "2026-11-28T01:02:03.000000000Z epoch 2/3 | loss 0.5 | world_size 2\r\n",
+            "2026-11-28T01:02:03.500000000Z epoch 3/3 | loss 0.25 | world_size 2\n",
+        ]
+    )
+    assert link.epoch_rates(logs, 256) == pytest.approx([128.0, 512.0])
+    assert link.epoch_rates(logs.splitlines()[1], 256) == []
 
 
 def processes(cmd):
