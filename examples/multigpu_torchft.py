@@ -10,7 +10,6 @@ import sys
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchft import Manager, Optimizer, ProcessGroupGloo
@@ -77,7 +76,6 @@ class Trainer:
             log_epoch(self.args, epoch, loss, self.manager.num_participants())
             if epoch % self.args.save_every == 0 or epoch == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch)
-        check_replicas(self.manager, self.model)
         # torchft's threads and group end now: left to the interpreter's exit, they may abort it
         self.manager.shutdown()
         self.pg.shutdown()
@@ -96,18 +94,6 @@ def main(args):
         # torchft's bounded waits: say what they waited for
         where = f"no quorum of {args.min_replicas} at {args.lighthouse}: {args.timeout:g} s"
         sys.exit(f"error: {exc!r}\n{where}")
-
-
-def check_replicas(manager, model):
-    """The groups stay identical: count those whose weights equal the first group's."""
-    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    # the first group's weights, zeros elsewhere: summed, the first group's everywhere
-    first = mine * (manager.participating_rank() == 0)
-    manager.allreduce(first, reduce_op=dist.ReduceOp.SUM).wait()
-    same = torch.tensor(float(torch.equal(mine, first)))
-    manager.allreduce(same, reduce_op=dist.ReduceOp.SUM).wait()
-    if manager.participating_rank() == 0:
-        print(f"weights identical on {same.item():.0f} of {manager.num_participants()} groups")
 
 
 def refuse(message):

@@ -828,7 +828,8 @@ TORCHFT_ACCOUNT_RE = [  # the account `make two-node-torchft` ends with, line by
     r"node0 logged epoch (\d+) ([\d.]+) s after node1's kill",
     r"node1 took node0's live state at step (\d+) \(epoch (\d+)\) ([\d.]+) s after its start",
     r"node1's first epoch after its start: (\d+) \(killed after (\d+)\)",
-    r"node0 and node1 ended at epochs 40 and 40 of 40; node[01]: weights identical on 2 of 2 groups",
+    r"node0 and node1 ended at epochs 40 and 40 of 40",
+    r"their last snapshots: weights identical on 2 of 2 groups",
     r"exit codes: lighthouse 0, node0 0, node1 0",
 ]
 
