@@ -86,9 +86,7 @@ def main(rank, world_size, port, args):
 
 def refuse(message):
     """Every process meets it alike: rank 0 says it and fails, the others end quietly."""
-    rank = dist.get_rank()
-    dist.destroy_process_group()
-    if rank == 0:
+    if dist.get_rank() == 0:
         sys.exit(message)
     sys.exit(0)
 
