@@ -37,24 +37,22 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
-        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # every process starts from rank 0's weights; backward() averages the gradients
         self.model = DDP(self.model)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(source), targets)
+        loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        # a new order every epoch, each process taking its share
+        # a new order every epoch, the same in every run
         self.train_data.sampler.set_epoch(epoch)
         losses = []
         for source, targets in self.train_data:
-            source = source.to(self.device)
-            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -128,9 +126,8 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(args, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device):
     """Restore the model and optimizer; return the epochs already run."""
-    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
     try:

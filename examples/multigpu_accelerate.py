@@ -29,7 +29,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
-        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # the shuffling generator, which prepare() keeps using
         self.order = train_data.sampler.generator
         # prepare(): DDP around the model, each process given its share of every batch
@@ -38,7 +38,7 @@ class Trainer:
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(source), targets)
+        loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
         self.accelerator.backward(loss)
         self.optimizer.step()
         return loss.detach()
@@ -48,8 +48,6 @@ class Trainer:
         self.order.manual_seed(self.args.seed + epoch)
         losses = []
         for source, targets in self.train_data:
-            source = source.to(self.device)
-            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -65,11 +63,12 @@ class Trainer:
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 
 
-@record
+@record  # torchrun's summary shows this function's error, from its error file
 def main():
-    """torchrun's summary shows an error of this function, written to its error file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     parser.error = refuse
     args = get_args(parser)
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -78,8 +77,8 @@ def main():
     # cpu=True without CUDA: gloo, where plain Accelerator() lets each process train alone
     wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
-    rank = accelerator.process_index
-    world_size = accelerator.num_processes
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     # not accelerator.device: torch.load cannot map to its name for the CPU, "cpu:0"
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     # one write, so that the lines of several processes do not mix
@@ -142,9 +141,8 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(args, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device):
     """Restore the model and optimizer; return the epochs already run."""
-    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
     try:
@@ -166,10 +164,6 @@ def log_epoch(args, epoch, loss, world_size):
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" not in os.environ:
-        usage = f"error: start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ..."
-        print(usage, file=sys.stderr)
-        sys.exit(2)
     try:
         main()
     except Refusal:

@@ -22,13 +22,13 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
-        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # forward() splits the batch over the GPUs, runs a replica on each, gathers on GPU 0
         self.model = torch.nn.DataParallel(self.model)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(source), targets)
+        loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -38,8 +38,6 @@ class Trainer:
         self.train_data.sampler.generator.manual_seed(self.args.seed + epoch)
         losses = []
         for source, targets in self.train_data:
-            source = source.to(self.device)
-            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -110,9 +108,8 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(args, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device):
     """Restore the model and optimizer; return the epochs already run."""
-    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
     try:
@@ -134,5 +131,6 @@ def log_epoch(args, epoch, loss, world_size):
 
 
 if __name__ == "__main__":
-    args = get_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = get_args(parser)
     main(args)

@@ -23,7 +23,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
-        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         wait = timedelta(seconds=args.timeout)
         # the lighthouse forms a quorum of groups for every step
         waits = {"timeout": wait, "connect_timeout": wait, "quorum_timeout": wait}
@@ -41,7 +41,7 @@ class Trainer:
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(source), targets)
+        loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
         loss.backward()
         # the mean over the groups (torchft's DDP wrapper does this per bucket)
         for p in self.model.parameters():
@@ -52,7 +52,7 @@ class Trainer:
         return loss
 
     def _run_epoch(self, epoch):
-        # a new order every epoch, each process taking its share
+        # a new order every epoch, the same in every run
         self.train_data.sampler.set_epoch(epoch)
         losses = []
         last_step = (epoch + 1) * len(self.train_data)
@@ -60,8 +60,6 @@ class Trainer:
             step = self.manager.current_step()
             if step == last_step:
                 break  # already committed by the peer this group healed from
-            source = source.to(self.device)
-            targets = targets.to(self.device)
             # a step that did not commit is tried again
             while self.manager.current_step() == step:
                 losses.append(self._run_batch(source, targets))
@@ -81,7 +79,19 @@ class Trainer:
         self.pg.shutdown()
 
 
-def main(args):
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    parser.add_argument("--replica_group", type=int, default=0, help="this group's number: 0, 1, ...")
+    parser.add_argument("--replica_groups", type=int, default=2, help="groups the data is split between")
+    parser.add_argument("--min_replicas", type=int, default=1, help="groups a step needs")
+    parser.add_argument("--lighthouse", default="http://localhost:29510", help="the lighthouse's address")
+    args = get_args(parser)
+    if not 0 <= args.replica_group < args.replica_groups or args.min_replicas < 1:
+        parser.error("needs 0 <= --replica_group < --replica_groups and --min_replicas at least 1")
+    if os.environ.get("LOCAL_WORLD_SIZE") != "1":
+        parser.error(f"a group is one process: torchrun --standalone --nproc-per-node=1 {sys.argv[0]} ...")
+    os.environ["TORCHFT_LIGHTHOUSE"] = args.lighthouse
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"[group {args.replica_group}/{args.replica_groups}] {device}, gloo", flush=True)
     train_set, model, optimizer, loss_fn = load_train_objs(args)
@@ -138,9 +148,8 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(args, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device):
     """Restore the model and optimizer; return the epochs already run."""
-    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
     try:
@@ -162,16 +171,4 @@ def log_epoch(args, epoch, loss, world_size):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
-    parser.add_argument("--replica_group", type=int, default=0, help="this group's number: 0, 1, ...")
-    parser.add_argument("--replica_groups", type=int, default=2, help="groups the data is split between")
-    parser.add_argument("--min_replicas", type=int, default=1, help="groups a step needs")
-    parser.add_argument("--lighthouse", default="http://localhost:29510", help="the lighthouse's address")
-    args = get_args(parser)
-    if not 0 <= args.replica_group < args.replica_groups or args.min_replicas < 1:
-        parser.error("needs 0 <= --replica_group < --replica_groups and --min_replicas at least 1")
-    if os.environ.get("LOCAL_WORLD_SIZE") != "1":
-        parser.error(f"a group is one process: torchrun --standalone --nproc-per-node=1 {sys.argv[0]} ...")
-    os.environ["TORCHFT_LIGHTHOUSE"] = args.lighthouse
-    main(args)
+    main()

@@ -36,7 +36,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.args = args
-        self.epochs_run = load_snapshot(args, self.model, optimizer, device)
+        self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # every node must have found the same snapshot: a folder they share
         runs = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
         dist.all_reduce(runs, dist.ReduceOp.MAX)
@@ -47,18 +47,16 @@ class Trainer:
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(source), targets)
+        loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        # a new order every epoch, each process taking its share
+        # a new order every epoch, the same in every run
         self.train_data.sampler.set_epoch(epoch)
         losses = []
         for source, targets in self.train_data:
-            source = source.to(self.device)
-            targets = targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -75,11 +73,12 @@ class Trainer:
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 
 
-@record
+@record  # torchrun's summary shows this function's error, from its error file
 def main():
-    """torchrun's summary shows an error of this function, written to its error file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error(f"start me with torchrun on every node: torchrun --nnodes=2 ... {sys.argv[0]} ...")
     parser.error = refuse
     args = get_args(parser)
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -152,9 +151,8 @@ def save_snapshot(path, model, optimizer, epochs_run):
     os.replace(f"{path}.tmp.{os.getpid()}", path)
 
 
-def load_snapshot(args, model, optimizer, device):
+def load_snapshot(path, model, optimizer, device):
     """Restore the model and optimizer; return the epochs already run."""
-    path = args.snapshot_path
     if not os.path.exists(path):
         return 0
     try:
@@ -176,10 +174,6 @@ def log_epoch(args, epoch, loss, world_size):
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" not in os.environ:
-        usage = f"error: start me with torchrun on every node: torchrun --nnodes=2 ... {sys.argv[0]} ..."
-        print(usage, file=sys.stderr)
-        sys.exit(2)
     try:
         main()
     except Refusal:

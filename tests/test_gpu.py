@@ -68,7 +68,9 @@ def test_trains_on_the_gpus(runs, name):
 @pytest.mark.parametrize("name", DDP_EXAMPLES)
 def test_each_rank_runs_on_its_own_gpu(runs, name):
     """The set_device pitfall (docs/troubleshooting.md): rank r of one node on cuda:r, never all on cuda:0.
-    Each lesson prints torch.cuda.current_device(): without ddp_setup's set_device every rank says cuda:0."""
+    Each rank's line names the device it built from its local rank: a mapping that puts two ranks on one
+    GPU fails here. The line does not read torch.cuda.current_device(), so set_device itself is not what
+    this checks."""
     ranks = runs[1][name].ranks
     assert {rank: place[0] for rank, place in ranks.items()} == {r: f"cuda:{r}" for r in range(GPUS)}, ranks
 
