@@ -1,5 +1,6 @@
 """What the two-node demos share: a Compose project run from the repository's root with a deadline, the
-docker client with one, and polling until something happens or the deadline passes."""
+docker client with one, the digest of a snapshot's weights, and polling until something happens or the
+deadline passes."""
 
 import re
 import subprocess
@@ -16,6 +17,10 @@ TERMINAL_CODE = re.compile(r"\r|\x1b\[[0-9;]*[A-Za-z]")
 CPP_FRAME = re.compile(
     r"\|\s*(frame #\d+: |#\d+ .* from \S+$|Exception raised from |C\+\+ CapturedTraceback:"
     r"|\[W.*symbolizing C\+\+ stack trace)"
+)
+DIGEST = (  # the model weights of a snapshot, as one sha256
+    "import hashlib, torch; s = torch.load({path!r}, weights_only=True)['MODEL_STATE']; "
+    "print(hashlib.sha256(b''.join(v.numpy().tobytes() for _, v in sorted(s.items()))).hexdigest())"
 )
 
 
@@ -50,6 +55,12 @@ class Project:
         if not ids:
             sys.exit(f"{self.who}: error: no container for {service}")
         return ids[0]
+
+    def digest(self, service, path):
+        """The digest of the weights in the snapshot at path, read in a one-off container of the service
+        (its volumes, not its dependencies)."""
+        run = ["run", "--rm", "--no-deps", "--entrypoint", "python", service, "-c", DIGEST.format(path=path)]
+        return self(*run).stdout.split()[-1]
 
     def log(self, service):
         """What the service's container printed (stdout and stderr) so far."""

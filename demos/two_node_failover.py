@@ -28,22 +28,10 @@ REFERENCE_FILES = ["-f", "compose.yaml"]
 SNAPSHOT = "/snapshots/multinode.pt"  # where the compose files have multinode.py save
 EPOCH_RE = re.compile(r"^epoch (\d+)/\d+ \|.* \| world_size (\d+)$", re.M)  # the epoch and the world
 RESUME_RE = re.compile(r"^resuming from \S+: (\d+) epochs already run", re.M)
-DIGEST = (  # the model weights of the snapshot, as one sha256
-    "import hashlib, torch; s = torch.load({path!r}, weights_only=True)['MODEL_STATE']; "
-    "print(hashlib.sha256(b''.join(v.numpy().tobytes() for _, v in sorted(s.items()))).hexdigest())"
-)
 
 
 def say(text):
     print(f"two-node failover: {text}", flush=True)
-
-
-def digest(proj):
-    """The digest of the final snapshot's weights, read in a one-off container with the volume."""
-    out = proj(
-        "run", "--rm", "--no-deps", "--entrypoint", "python", "node1", "-c", DIGEST.format(path=SNAPSHOT)
-    )
-    return out.stdout.split()[-1]
 
 
 def last_epoch(log):
@@ -99,7 +87,7 @@ def main():
             up = reference("up", "--abort-on-container-exit", "--exit-code-from", "node0", check=False)
             if up.returncode:
                 sys.exit(f"two-node failover: error: the uninterrupted run failed:\n{up.stdout[-3000:]}")
-            same = digest(proj) == digest(reference)
+            same = proj.digest("node1", SNAPSHOT) == reference.digest("node1", SNAPSHOT)
             account["lines"].append(
                 f"final weights {'equal' if same else 'DIFFER from'} an uninterrupted run's, bit for bit"
             )
