@@ -5,7 +5,8 @@
 Runs the restart command from the top of examples/multigpu_torchrun.py (with more samples, so that an epoch
 lasts long enough to interrupt), SIGKILLs rank 1 as soon as the first snapshot is on disk, lets torchrun
 restart the workers, then runs the same command uninterrupted in another folder and compares the two final
-snapshots bit for bit. Exit status 1 when the run did not recover or the weights differ.
+snapshots bit for bit. Exit status 1 when the run did not recover or the weights differ. When torchrun's
+agent itself dies of torch's error-file race (TORCH_RACE below), it says so and runs the first part again.
 """
 
 import argparse
@@ -82,6 +83,34 @@ def epochs_in(snapshot):
         return 0
 
 
+# torchrun's agent SIGTERMs the surviving worker, then reads the error file that worker's @record may have
+# been writing at that moment: found empty, it kills the agent itself (torch 2.13; the lesson is not at fault)
+TORCH_RACE = "Failed to parse reply file"
+TORCH_RACE_SAID = "torchrun's agent died reading the error file rank 0 was still writing (a race in torch)"
+
+
+def interrupted_run(command, folder, snapshot, timeout):
+    """Start the command in folder, SIGKILL rank 1 once the first snapshot is on disk, wait for the end."""
+    proc, lines, pump = start(command, folder)
+    deadline, killed = time.monotonic() + timeout, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if killed is None and (saved := epochs_in(snapshot)):
+            pid = worker_of_rank(proc.pid, 1)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = (pid, saved)
+                said = f"in epoch {saved + 1}, after the snapshot of epoch {saved}"
+                print(f"fault demo: SIGKILL to rank 1 (pid {pid}) {said}", flush=True)
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+        sys.exit(f"fault demo: error: the run did not end within --timeout {timeout:g} s")
+    pump.join()
+    if killed is None:
+        sys.exit("fault demo: error: the run ended before a worker could be killed: raise --dataset_size")
+    return proc, "".join(lines), killed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="runs/fault-demo", help="where the two runs go (emptied first)")
@@ -94,24 +123,10 @@ def main():
     folder = Path(args.dir).resolve()
     snapshot = folder / "killed" / "multigpu_torchrun_snapshot.pt"
     print(f"fault demo: {command}", flush=True)
-    proc, lines, pump = start(command, folder / "killed")
-    deadline, killed = time.monotonic() + args.timeout, None
-    while proc.poll() is None and time.monotonic() < deadline:
-        if killed is None and (saved := epochs_in(snapshot)):
-            pid = worker_of_rank(proc.pid, 1)
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-                killed = (pid, saved)
-                said = f"in epoch {saved + 1}, after the snapshot of epoch {saved}"
-                print(f"fault demo: SIGKILL to rank 1 (pid {pid}) {said}", flush=True)
-        time.sleep(0.02)
-    if proc.poll() is None:
-        proc.kill()
-        sys.exit(f"fault demo: error: the run did not end within --timeout {args.timeout:g} s")
-    pump.join()
-    out = "".join(lines)
-    if killed is None:
-        sys.exit("fault demo: error: the run ended before a worker could be killed: raise --dataset_size")
+    proc, out, killed = interrupted_run(command, folder / "killed", snapshot, args.timeout)
+    if proc.returncode and TORCH_RACE in out:
+        print(f"fault demo: {TORCH_RACE_SAID}; once more", flush=True)
+        proc, out, killed = interrupted_run(command, folder / "killed", snapshot, args.timeout)
     resumed = re.findall(r"resuming from \S+: (\d+) epochs already run", out)
     print(
         f"fault demo: the same command uninterrupted, for comparison, in {folder / 'uninterrupted'}",

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -769,11 +768,8 @@ def test_the_demos_show_the_containers_output_without_cpp_frames_or_terminal_cod
         assert "c10::Error::Error" in error, error  # a real c10 error with its C++ stack
         lines += [f"node0-1  | {line}\n" for line in error.splitlines()]
     lines.append("\r\x1b[Knode0-1 exited with code 0\n")
-    sys.path.insert(0, str(REPO / "demos"))
-    try:
-        from compose_project import shown
-    finally:
-        sys.path.remove(str(REPO / "demos"))
+    from compose_project import shown  # demos/, on the path conftest gives
+
     out = "".join(map(shown, lines))
     assert "frame #" not in out and "c10::" not in out and "raised from" not in out and "\x1b" not in out, out
     assert out.count("RuntimeError: shape '[3]' is invalid for input of size 2") == 2
