@@ -60,7 +60,9 @@ class Trainer:
                 log_epoch(self.args, epoch + 1, loss, dist.get_world_size())
             last = epoch + 1 == self.args.total_epochs
             if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+                # prepare() wraps the model in DDP only where there are several processes
+                model = self.accelerator.unwrap_model(self.model)
+                save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
 
 
 @record  # torchrun's summary shows this function's error, from its error file

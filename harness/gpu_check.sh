@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What only a GPU can run, in one go (`make gpu-check`; about 6 minutes on one H100 or H200): the GPU tests,
+# What only a GPU can run, in one go (`make gpu-check`; about 4 minutes on one H200): the GPU tests,
 # then GPT-2 small (--model gpt2, 124M parameters, on `make gpt-data`'s BPE shards, one process, batch 16 x
 # 1024 tokens) in bf16, eager and compiled, 40 steps each: the log lines of steps 20 to 40 (ms/step,
 # tokens/s, MFU) and the memory line (peak CUDA memory allocated). Everything goes to $OUT as well.

@@ -11,8 +11,9 @@ from conftest import EXAMPLES, TORCHRUN_LESSONS
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]
 # Every lesson, comments and docstrings included, reads in five minutes. The aim is 150 (170 for Ray, torchft
-# and DataParallel, which add their own launchers); these are today's sizes, which only go down.
-MAX_LINES = dict(zip(ALL, [126, 167, 174, 180, 170, 169, 136, 174], strict=True))
+# and DataParallel, which add their own launchers); these are today's sizes, which only go down (accelerate:
+# +3 for unwrap_model, which a GPU at world size 1 needs).
+MAX_LINES = dict(zip(ALL, [126, 167, 174, 180, 173, 169, 136, 174], strict=True))
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson. Where the count is above its aim (in brackets), the bound is today's count, to come down.
 DIFF_BOUND = {
