@@ -44,7 +44,8 @@ class Trainer:
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
-            log_epoch(self.args, epoch + 1, loss, 1)
+            progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
+            print(f"{progress} | world_size 1", flush=True)
             last = epoch + 1 == self.args.total_epochs
             if (epoch + 1) % self.args.save_every == 0 or last:
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
@@ -122,12 +123,6 @@ def load_snapshot(path, model, optimizer, device):
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
     return snapshot["EPOCHS_RUN"]
-
-
-def log_epoch(args, epoch, loss, world_size):
-    """The epoch's loss: the mean over the processes."""
-    progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":

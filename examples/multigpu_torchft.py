@@ -71,7 +71,8 @@ class Trainer:
             loss = self._run_epoch(epoch)
             epoch = self.manager.current_step() // len(self.train_data)
             # every group logs and saves its own snapshot
-            log_epoch(self.args, epoch, loss, self.manager.num_participants())
+            progress = f"epoch {epoch}/{self.args.total_epochs} | loss {loss.item():.6g}"
+            print(f"{progress} | world_size {self.manager.num_participants()}", flush=True)
             if epoch % self.args.save_every == 0 or epoch == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch)
         # torchft's threads and group end now: left to the interpreter's exit, they may abort it
@@ -162,12 +163,6 @@ def load_snapshot(path, model, optimizer, device):
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
     return snapshot["EPOCHS_RUN"]
-
-
-def log_epoch(args, epoch, loss, world_size):
-    """The epoch's loss: the mean over the processes."""
-    progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":

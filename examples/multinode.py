@@ -66,8 +66,9 @@ class Trainer:
             # the mean of every process's loss; one process logs and saves for all
             dist.all_reduce(loss)
             loss = loss / dist.get_world_size()
+            progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
-                log_epoch(self.args, epoch + 1, loss, dist.get_world_size())
+                print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
             last = epoch + 1 == self.args.total_epochs
             if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
                 save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
@@ -165,12 +166,6 @@ def load_snapshot(path, model, optimizer, device):
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
     return snapshot["EPOCHS_RUN"]
-
-
-def log_epoch(args, epoch, loss, world_size):
-    """The epoch's loss: the mean over the processes."""
-    progress = f"epoch {epoch}/{args.total_epochs} | loss {loss.item():.6g}"
-    print(f"{progress} | world_size {world_size}", flush=True)
 
 
 if __name__ == "__main__":
