@@ -24,10 +24,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the one sys.path edit of the suite: the tests import steps, k8s_check, lessons (benchmarks/), why_hung,
-# compose_project and fault (demos/)
+# compose_project and fault (demos/: the retry after torch's error-file race)
 sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools", "demos")]
 import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
-from fault import TORCH_RACE  # noqa: E402  (demos/fault.py: the agent's death a killed worker can cause)
 
 EXAMPLES = REPO / "examples"
 # The programs the tests start, as files: scripts, and folders holding a sitecustomize.py. Those that import
@@ -291,17 +290,6 @@ def start_torchrun_agent(cmd, cwd, env=None):
     group of its own."""
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def once_more_after_torch_race(attempt):
-    """attempt() kills a worker under torchrun and returns (exit code, output, ...). When torchrun's agent
-    itself died of TORCH_RACE (torch's race between its SIGTERM and the survivor's error file, not the
-    behaviour under test), it runs once more, and says so; a second death of the kind fails the test."""
-    result = attempt()
-    if result[0] != 0 and TORCH_RACE in result[1]:
-        print(f"torchrun's agent died of torch's error-file race; once more. It said:\n{result[1][-3000:]}")
-        result = attempt()
-    return result
 
 
 def doc_block(page, marker):

@@ -36,11 +36,11 @@ from conftest import (
     kill_group,
     load_snapshot,
     needs_gpu,
-    once_more_after_torch_race,
     popen,
     run,
     start_torchrun_agent,
 )
+from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
 # Momentum: the optimizer has a state of its own, which a resumed run must get back.

@@ -31,10 +31,10 @@ from conftest import (
     free_port,
     import_gpt_module,
     needs_gpu,
-    once_more_after_torch_race,
     run,
     start_torchrun_agent,
 )
+from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
