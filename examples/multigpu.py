@@ -10,11 +10,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-# before any process group: imported later (by DDP), it keeps the group alive at exit
-import torch.distributed.nn
+import torch.distributed.nn  # before any process group, for a clean exit
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -51,9 +48,7 @@ class Trainer:
     def _run_epoch(self, epoch):
         # a new order every epoch, the same in every run
         self.train_data.sampler.set_epoch(epoch)
-        losses = []
-        for source, targets in self.train_data:
-            losses.append(self._run_batch(source, targets))
+        losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
     def train(self):
@@ -74,7 +69,7 @@ def main(rank, world_size, port, args):
     ddp_setup(rank, world_size, port, args.timeout)
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
     # one write, so that the lines of several processes do not mix
-    sys.stdout.write(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n")
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each process takes every world_size-th sample
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -84,7 +79,7 @@ def main(rank, world_size, port, args):
 
 
 def refuse(message):
-    """Every process meets it alike: rank 0 says it and fails, the others end quietly."""
+    """Every process meets it alike: one per machine says why and fails, the others end quietly."""
     if dist.get_rank() == 0:
         sys.exit(message)
     sys.exit(0)
@@ -92,15 +87,13 @@ def refuse(message):
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
 def get_args(parser):
-    """The arguments every lesson takes; bad input stops here, exit status 2."""
-    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="epochs between snapshots")
     parser.add_argument("--batch_size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -117,7 +110,7 @@ def load_train_objs(args):
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return TensorDataset(inputs, targets), model, optimizer, F.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
@@ -128,7 +121,6 @@ def save_snapshot(path, model, optimizer, epochs_run):
 
 
 def load_snapshot(path, model, optimizer, device):
-    """Restore the model and optimizer; return the epochs already run."""
     if not os.path.exists(path):
         return 0
     try:
@@ -154,9 +146,8 @@ if __name__ == "__main__":
     try:
         # the group's meeting point, held here: nothing else can take its port meanwhile
         store = dist.TCPStore("localhost", int(os.environ.get("MASTER_PORT", 0)), is_master=True)
+        mp.spawn(main, args=(args.nproc, store.port, args), nprocs=args.nproc)
     except dist.DistNetworkError:
         parser.error(f"MASTER_PORT={os.environ['MASTER_PORT']} is taken: unset it to use a free port")
-    try:
-        mp.spawn(main, args=(args.nproc, store.port, args), nprocs=args.nproc)
     except mp.ProcessExitedException as exc:
         sys.exit(exc.exit_code)  # the process said why

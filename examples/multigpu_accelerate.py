@@ -10,10 +10,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-# before any process group: imported later (by DDP), it keeps the group alive at exit
-import torch.distributed.nn
-import torch.nn.functional as F
+import torch.distributed.nn  # before any process group, for a clean exit
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -46,9 +43,7 @@ class Trainer:
     def _run_epoch(self, epoch):
         # a new order every epoch, the same in every run
         self.order.manual_seed(self.args.seed + epoch)
-        losses = []
-        for source, targets in self.train_data:
-            losses.append(self._run_batch(source, targets))
+        losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
     def train(self):
@@ -80,12 +75,10 @@ def main():
     # cpu=True without CUDA: gloo, where plain Accelerator() lets each process train alone
     wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
-    rank = dist.get_rank()
-    world_size = dist.get_world_size()
     # not accelerator.device: torch.load cannot map to its name for the CPU, "cpu:0"
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     # one write, so that the lines of several processes do not mix
-    sys.stdout.write(f"[rank {rank}/{world_size}] {device}, {dist.get_backend()}\n")
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # one shuffled order, split between the processes by prepare()
     sampler = RandomSampler(train_set, generator=torch.Generator())
@@ -94,30 +87,24 @@ def main():
     accelerator.end_training()
 
 
-class Refusal(Exception):
-    """Bad input, which every process meets alike."""
-
-
 def refuse(message):
-    """Local rank 0 fails with the message, shown in torchrun's summary; the others end quietly."""
+    """Every process meets it alike: one per machine says why and fails, the others end quietly."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
         sys.exit(0)
-    raise Refusal(message) from None
+    raise argparse.ArgumentError(None, message) from None
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
 def get_args(parser):
-    """The arguments every lesson takes; bad input stops here, exit status 2."""
-    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="epochs between snapshots")
     parser.add_argument("--batch_size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -134,7 +121,7 @@ def load_train_objs(args):
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return TensorDataset(inputs, targets), model, optimizer, F.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
@@ -145,7 +132,6 @@ def save_snapshot(path, model, optimizer, epochs_run):
 
 
 def load_snapshot(path, model, optimizer, device):
-    """Restore the model and optimizer; return the epochs already run."""
     if not os.path.exists(path):
         return 0
     try:
@@ -163,5 +149,5 @@ def load_snapshot(path, model, optimizer, device):
 if __name__ == "__main__":
     try:
         main()
-    except Refusal:
+    except argparse.ArgumentError:
         sys.exit(2)  # said in torchrun's summary

@@ -10,7 +10,6 @@ import sys
 from datetime import timedelta
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchft import Manager, Optimizer, ProcessGroupGloo
 
@@ -114,15 +113,13 @@ def refuse(message):
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
 def get_args(parser):
-    """The arguments every lesson takes; bad input stops here, exit status 2."""
-    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="epochs between snapshots")
     parser.add_argument("--batch_size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -139,7 +136,7 @@ def load_train_objs(args):
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return TensorDataset(inputs, targets), model, optimizer, F.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
@@ -150,7 +147,6 @@ def save_snapshot(path, model, optimizer, epochs_run):
 
 
 def load_snapshot(path, model, optimizer, device):
-    """Restore the model and optimizer; return the epochs already run."""
     if not os.path.exists(path):
         return 0
     try:

@@ -11,10 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-# before any process group: imported later (by DDP), it keeps the group alive at exit
-import torch.distributed.nn
-import torch.nn.functional as F
+import torch.distributed.nn  # before any process group, for a clean exit
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -55,9 +52,7 @@ class Trainer:
     def _run_epoch(self, epoch):
         # a new order every epoch, the same in every run
         self.train_data.sampler.set_epoch(epoch)
-        losses = []
-        for source, targets in self.train_data:
-            losses.append(self._run_batch(source, targets))
+        losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
     def train(self):
@@ -88,12 +83,10 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     ddp_setup(local_rank, args.timeout)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    rank = dist.get_rank()
-    world_size = dist.get_world_size()
     # one write, so that the lines of several processes do not mix
     node = "local rank {LOCAL_RANK}/{LOCAL_WORLD_SIZE} on node {GROUP_RANK}".format(**os.environ)
     where = f"{device}, {dist.get_backend()}, {node} ({os.uname().nodename})"
-    sys.stdout.write(f"[rank {rank}/{world_size}] {where}\n")
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each process takes every world_size-th sample
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -102,30 +95,24 @@ def main():
     dist.destroy_process_group()
 
 
-class Refusal(Exception):
-    """Bad input, which every process meets alike."""
-
-
 def refuse(message):
-    """Local rank 0 fails with the message, shown in torchrun's summary; the others end quietly."""
+    """Every process meets it alike: one per machine says why and fails, the others end quietly."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
         sys.exit(0)
-    raise Refusal(message) from None
+    raise argparse.ArgumentError(None, message) from None
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
 def get_args(parser):
-    """The arguments every lesson takes; bad input stops here, exit status 2."""
-    name = os.path.basename(sys.argv[0]).removesuffix(".py")
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="epochs between snapshots")
     parser.add_argument("--batch_size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=f"{name}_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -142,7 +129,7 @@ def load_train_objs(args):
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return TensorDataset(inputs, targets), model, optimizer, F.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
@@ -153,7 +140,6 @@ def save_snapshot(path, model, optimizer, epochs_run):
 
 
 def load_snapshot(path, model, optimizer, device):
-    """Restore the model and optimizer; return the epochs already run."""
     if not os.path.exists(path):
         return 0
     try:
@@ -171,5 +157,5 @@ def load_snapshot(path, model, optimizer, device):
 if __name__ == "__main__":
     try:
         main()
-    except Refusal:
+    except argparse.ArgumentError:
         sys.exit(2)  # said in torchrun's summary

@@ -281,9 +281,9 @@ def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path
         for proc in procs:
             kill_group(proc)
     if case == "differs":
-        said = ["Refusal: the nodes found different snapshots at snap.pt: share it"] * 2
+        said = ["argparse.ArgumentError: the nodes found different snapshots at snap.pt: share it"] * 2
     else:
-        misfit = "Refusal: error: cannot resume from snap.pt: RuntimeError('Error(s) in loading"
+        misfit = "argparse.ArgumentError: error: cannot resume from snap.pt: RuntimeError('Error(s) in load"
         said = [misfit] * 2
         assert 'Missing key(s) in state_dict: "conv1.weight"' in outs[0], outs[0][-3000:]
     for node, (proc, out, message) in enumerate(zip(procs, outs, said, strict=True)):

@@ -175,8 +175,8 @@ def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tm
     code, out, snapshot = run_documented_restart(tmp_path / "run", command.split(" ", 1)[1], TRIAL_BOUND)
     assert code != 0 and not snapshot.exists(), out[-3000:]
     # the fix suggested is the documented command's start (--standalone), not another launch
-    message = f"  Refusal: restarts need {' '.join(command.split()[:3])} ..."
-    assert out.count("Refusal: restarts need") == 1, out[-3000:]
+    message = f"  argparse.ArgumentError: restarts need {' '.join(command.split()[:3])} ..."
+    assert out.count("argparse.ArgumentError: restarts need") == 1, out[-3000:]
     summary = [line for line in out.rstrip().splitlines() if line.strip()]
     assert summary[-1].startswith("=====") and summary[-2] == message, out[-3000:]
     assert "usage:" not in out and "epoch 1/" not in out, out[-3000:]
@@ -224,10 +224,10 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     documented = ast.get_docstring(ast.parse(script.read_text())).splitlines()[2].split()[:2]
     store = f"restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
     said = store if refusal == "store" else "total_epochs must be positive, got 0"
-    assert message == f"Refusal: {said}"
+    assert message == f"ArgumentError: {said}"
     # torchrun's own reader of error files: what its closing summary prints for this failure
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
-    assert f"  Refusal: {said}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
+    assert f"  argparse.ArgumentError: {said}\n" in ChildFailedError(lesson, {0: failure}).format_msg()
 
 
 def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path):

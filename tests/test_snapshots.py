@@ -85,7 +85,7 @@ def test_under_torchrun_a_snapshot_that_does_not_fit_is_said_once_as_its_summary
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     assert out.count(f"cannot resume from {path}") == 1, out[-3000:]
-    said = f"  Refusal: error: cannot resume from {path}: RuntimeError('Error(s) in loading"
+    said = f"  argparse.ArgumentError: error: cannot resume from {path}: RuntimeError('Error(s) in loading"
     assert said in out, out[-3000:]
     assert 'Missing key(s) in state_dict: "conv1.weight"' in out, out[-3000:]
     assert "exitcode  : 2" in out and "epoch 1/" not in out, out[-3000:]

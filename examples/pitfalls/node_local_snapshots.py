@@ -63,7 +63,7 @@ def main():
         codes, outputs = two_nodes(folders, snapshot)
     for node, output in enumerate(outputs):
         for line in output.splitlines():
-            if "snapshot" in line and ("Refusal" in line or "resuming" in line):
+            if "snapshot" in line and ("ArgumentError" in line or "resuming" in line):
                 print(f"seen: node{node}: {line.strip()}", flush=True)
     if any(codes):
         sys.exit(
