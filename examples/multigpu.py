@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any process group, for a clean exit
+import torch.distributed.nn  # before any group forms, or the exit may abort
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -79,10 +79,10 @@ def main(rank, world_size, port, args):
 
 
 def refuse(message):
-    """Every process meets it alike: one per machine says why and fails, the others end quietly."""
-    if dist.get_rank() == 0:
-        sys.exit(message)
-    sys.exit(0)
+    """Every process meets it alike: one says why and fails, the others end quietly."""
+    if dist.get_rank() != 0:
+        sys.exit(0)
+    sys.exit(message)
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
@@ -93,7 +93,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -138,7 +138,7 @@ def load_snapshot(path, model, optimizer, device):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
     args = get_args(parser)
     gpus = torch.cuda.device_count()
     if args.nproc < 1 or (gpus > 0 and args.nproc > gpus):

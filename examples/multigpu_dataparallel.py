@@ -77,7 +77,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

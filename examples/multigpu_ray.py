@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any process group, for a clean exit
+import torch.distributed.nn  # before any group forms, or the exit may abort
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -23,7 +23,7 @@ def run_on_ray(parser, args):
             socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()
         except (OSError, ValueError) as exc:
             parser.error(f"no Ray cluster answers at {args.address} ({exc}): ray start --head")
-    # read when Ray is imported: every rank's lines, not one of those alike; colours on a terminal only
+    # read at Ray's import: every rank's lines, not one of those alike; colours on a terminal only
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_COLOR_PREFIX", str(int(sys.stdout.isatty())))
     import ray.train.torch
@@ -103,7 +103,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

@@ -81,7 +81,7 @@ class Trainer:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
     parser.add_argument("--replica_group", type=int, default=0, help="this group's number: 0, 1, ...")
     parser.add_argument("--replica_groups", type=int, default=2, help="groups the data is split between")
     parser.add_argument("--min_replicas", type=int, default=1, help="groups a step needs")
@@ -119,7 +119,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

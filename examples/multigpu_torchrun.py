@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any process group, for a clean exit
+import torch.distributed.nn  # before any group forms, or the exit may abort
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -68,7 +68,7 @@ class Trainer:
 @record  # torchrun's summary shows this function's error, from its error file
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the others")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     parser.error = refuse
@@ -90,12 +90,12 @@ def main():
 
 
 def refuse(message):
-    """Every process meets it alike: one per machine says why and fails, the others end quietly."""
+    """Every process meets it alike: one says why and fails, the others end quietly."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
         sys.exit(0)
-    raise argparse.ArgumentError(None, message) from None
+    raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
@@ -106,7 +106,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.replace(".py", "_snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -151,5 +151,7 @@ def load_snapshot(path, model, optimizer, device):
 if __name__ == "__main__":
     try:
         main()
-    except argparse.ArgumentError:
-        sys.exit(2)  # said in torchrun's summary
+    except argparse.ArgumentError as exc:
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            print(exc, file=sys.stderr)  # no torchrun summary to show it (under mpirun, say)
+        sys.exit(2)

@@ -78,3 +78,14 @@ def test_the_wrapper_outside_mpirun_or_without_master_addr_says_what_is_missing(
     env.pop("MASTER_ADDR", None)
     no_addr = subprocess.run([WRAPPER, "x.py"], capture_output=True, text=True, check=False, env=env)
     assert no_addr.returncode != 0 and "set MASTER_ADDR" in no_addr.stderr
+
+
+def test_a_refusal_under_mpirun_is_said_once_on_stderr(mpirun, tmp_path):
+    """Under mpirun there is no torchrun summary to carry a refusal: local rank 0 prints it (once on this
+    one host), the others end quietly, and nothing is written. Mutation: the print in the lesson's
+    __main__ dropped: the run fails without a word, and the count is 0."""
+    command = mpi_command(mpirun, free_port(), "0", "1")
+    proc = run(command, timeout=120, check=False, cwd=tmp_path, env=ROOT_OK)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert proc.stdout.count("total_epochs must be positive, got 0") == 1, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout and not list(tmp_path.iterdir()), proc.stdout[-3000:]
