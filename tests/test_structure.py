@@ -31,7 +31,8 @@ DIFF_BOUND = {
 # at most SHARED_LINES lines in all: what every step needs that is not its lesson.
 SHARED = ["get_args", "load_train_objs", "save_snapshot", "load_snapshot"]
 SHARED_LINES = 60
-SHARED_TORCHRUN = ["refuse"]  # in the lessons torchrun starts with several processes
+# in the lessons torchrun starts with several processes: how a refusal ends, with torchrun's summary or not
+SHARED_TORCHRUN = ["refuse", "__main__"]
 # What the lessons no longer teach: the speed options live in the GPT trainer (examples/gpt/).
 LEFT_OUT = ["no_sync", "comm_hook", "bucket_cap_mb", "static_graph", "bfloat16", "channels_last", "sha256"]
 
@@ -41,13 +42,16 @@ def source(name):
 
 
 def functions(name):
+    """Each top-level function's source by name, and the `if __name__ == "__main__":` block as "__main__"."""
     text = source(name)
     tree = ast.parse(text)
-    return {
-        node.name: ast.get_source_segment(text, node)
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef)
-    }
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = ast.get_source_segment(text, node)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            found["__main__"] = ast.get_source_segment(text, node)
+    return found
 
 
 def changed_lines(before, after):
