@@ -16,13 +16,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def ddp_setup(rank, world_size, port, timeout):
-    """Join the process group through the store the parent process holds."""
+def ddp_setup(rank, world_size, port, wait):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    wait = timedelta(seconds=timeout)
-    store = dist.TCPStore("localhost", port, timeout=wait)
+    store = dist.TCPStore("localhost", port)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
 
 
@@ -55,8 +53,7 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
+            loss = torch.distributed.nn.all_reduce(loss) / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
@@ -66,9 +63,8 @@ class Trainer:
 
 
 def main(rank, world_size, port, args):
-    ddp_setup(rank, world_size, port, args.timeout)
+    ddp_setup(rank, world_size, port, timedelta(seconds=args.timeout))
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
-    # one write, so that the lines of several processes do not mix
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each process takes every world_size-th sample
@@ -79,9 +75,8 @@ def main(rank, world_size, port, args):
 
 
 def refuse(message):
-    """Every process meets it alike: one says why and fails, the others end quietly."""
     if dist.get_rank() != 0:
-        sys.exit(0)
+        sys.exit(0)  # every process meets it alike: one says why, the others end quietly
     sys.exit(message)
 
 
@@ -103,9 +98,8 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    """The same in every process: a linear regression; foreach=True runs SGD as GPUs do."""
     torch.manual_seed(args.seed)
-    # a linear regression toward hidden weights (vision.py runs a lesson on ResNet-18 instead)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
@@ -124,8 +118,7 @@ def load_snapshot(path, model, optimizer, device):
     if not os.path.exists(path):
         return 0
     try:
-        # weights_only: tensors and plain containers; a file that runs code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
     except Exception as exc:

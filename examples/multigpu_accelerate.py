@@ -56,8 +56,7 @@ class Trainer:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
             last = epoch + 1 == self.args.total_epochs
             if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                # prepare() wraps the model in DDP only where there are several processes
-                model = self.accelerator.unwrap_model(self.model)
+                model = self.accelerator.unwrap_model(self.model)  # the model inside DDP, if any
                 save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
 
 
@@ -77,7 +76,6 @@ def main():
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[wait])
     # not accelerator.device: torch.load cannot map to its name for the CPU, "cpu:0"
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
-    # one write, so that the lines of several processes do not mix
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # one shuffled order, split between the processes by prepare()
@@ -88,11 +86,10 @@ def main():
 
 
 def refuse(message):
-    """Every process meets it alike: one says why and fails, the others end quietly."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
-        sys.exit(0)
+        sys.exit(0)  # every process meets it alike: one says why, the others end quietly
     raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
 
@@ -114,9 +111,8 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    """The same in every process: a linear regression; foreach=True runs SGD as GPUs do."""
     torch.manual_seed(args.seed)
-    # a linear regression toward hidden weights (vision.py runs a lesson on ResNet-18 instead)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
@@ -135,8 +131,7 @@ def load_snapshot(path, model, optimizer, device):
     if not os.path.exists(path):
         return 0
     try:
-        # weights_only: tensors and plain containers; a file that runs code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
     except Exception as exc:

@@ -87,9 +87,8 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    """The same in every process: a linear regression; foreach=True runs SGD as GPUs do."""
     torch.manual_seed(args.seed)
-    # a linear regression toward hidden weights (vision.py runs a lesson on ResNet-18 instead)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
@@ -108,8 +107,7 @@ def load_snapshot(path, model, optimizer, device):
     if not os.path.exists(path):
         return 0
     try:
-        # weights_only: tensors and plain containers; a file that runs code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
     except Exception as exc:

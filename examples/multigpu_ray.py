@@ -66,8 +66,7 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
+            loss = torch.distributed.nn.all_reduce(loss) / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
@@ -81,7 +80,6 @@ def main(args, folder):
     # Ray starts its workers in a folder of its own: the driver's, for relative paths
     os.chdir(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # one write, so that the lines of several processes do not mix
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each process takes every world_size-th sample
@@ -91,8 +89,7 @@ def main(args, folder):
 
 
 def refuse(message):
-    """A failure Ray Train reports, with the message."""
-    raise RuntimeError(message)
+    raise RuntimeError(message)  # Ray Train reports it, with the message
 
 
 # Below: the same in every lesson (tests/test_structure.py checks it).
@@ -113,9 +110,8 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    """The same in every process: a linear regression; foreach=True runs SGD as GPUs do."""
     torch.manual_seed(args.seed)
-    # a linear regression toward hidden weights (vision.py runs a lesson on ResNet-18 instead)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
@@ -134,8 +130,7 @@ def load_snapshot(path, model, optimizer, device):
     if not os.path.exists(path):
         return 0
     try:
-        # weights_only: tensors and plain containers; a file that runs code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
     except Exception as exc:

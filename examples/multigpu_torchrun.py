@@ -18,10 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def ddp_setup(local_rank, timeout):
-    """Join the process group: torchrun set the rank, world size and rendezvous."""
+def ddp_setup(timeout):
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
 
@@ -55,8 +54,7 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
+            loss = torch.distributed.nn.all_reduce(loss) / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
@@ -76,10 +74,8 @@ def main():
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared_store and os.environ.get("TORCHELASTIC_MAX_RESTARTS") != "0":
         refuse("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    ddp_setup(local_rank, args.timeout)
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    # one write, so that the lines of several processes do not mix
+    ddp_setup(args.timeout)
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each process takes every world_size-th sample
@@ -90,11 +86,10 @@ def main():
 
 
 def refuse(message):
-    """Every process meets it alike: one says why and fails, the others end quietly."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
-        sys.exit(0)
+        sys.exit(0)  # every process meets it alike: one says why, the others end quietly
     raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
 
@@ -116,9 +111,8 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process; foreach=True: the GPU's SGD, on the CPU too."""
+    """The same in every process: a linear regression; foreach=True runs SGD as GPUs do."""
     torch.manual_seed(args.seed)
-    # a linear regression toward hidden weights (vision.py runs a lesson on ResNet-18 instead)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
@@ -137,8 +131,7 @@ def load_snapshot(path, model, optimizer, device):
     if not os.path.exists(path):
         return 0
     try:
-        # weights_only: tensors and plain containers; a file that runs code is refused
-        snapshot = torch.load(path, map_location=device, weights_only=True)
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
         optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
     except Exception as exc:
