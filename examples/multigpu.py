@@ -20,7 +20,7 @@ def ddp_setup(rank, world_size, port, wait):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    store = dist.TCPStore("localhost", port)
+    store = dist.TCPStore("localhost", port, timeout=wait)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
 
 
@@ -53,7 +53,8 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
-            loss = torch.distributed.nn.all_reduce(loss) / dist.get_world_size()
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
@@ -108,10 +109,9 @@ def load_train_objs(args):
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
-    os.replace(f"{path}.tmp.{os.getpid()}", path)
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
 
 
 def load_snapshot(path, model, optimizer, device):

@@ -89,7 +89,7 @@ def refuse(message):
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
-        sys.exit(0)  # every process meets it alike: one says why, the others end quietly
+        sys.exit(0)  # every process meets it alike: local rank 0 says why, the others end quietly
     raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
 
@@ -121,10 +121,9 @@ def load_train_objs(args):
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
-    os.replace(f"{path}.tmp.{os.getpid()}", path)
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
 
 
 def load_snapshot(path, model, optimizer, device):

@@ -97,10 +97,9 @@ def load_train_objs(args):
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
-    os.replace(f"{path}.tmp.{os.getpid()}", path)
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
 
 
 def load_snapshot(path, model, optimizer, device):

@@ -1,4 +1,4 @@
-"""Step 3 with torchft: replica groups train as one; a lost group's peers go on, and it heals from them.
+"""Step 3 with torchft: replica groups train as one; the rest go on without a lost one; it heals.
 
 torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 &  # the referee: port 29510
 torchrun --standalone --nproc-per-node=1 multigpu_torchft.py 40 5 --replica_group 0  # and 1: a group each
@@ -136,10 +136,9 @@ def load_train_objs(args):
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
-    os.replace(f"{path}.tmp.{os.getpid()}", path)
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
 
 
 def load_snapshot(path, model, optimizer, device):

@@ -17,11 +17,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def ddp_setup(timeout):
+def ddp_setup(wait):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=wait)
 
 
 class Trainer:
@@ -58,7 +58,8 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             # the mean of every process's loss; one process logs and saves for all
-            loss = torch.distributed.nn.all_reduce(loss) / dist.get_world_size()
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
@@ -78,7 +79,7 @@ def main():
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared_store and os.environ.get("TORCHELASTIC_MAX_RESTARTS") != "0":
         refuse("restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 ...")
-    ddp_setup(args.timeout)
+    ddp_setup(timedelta(seconds=args.timeout))
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     node = "local rank {LOCAL_RANK}/{LOCAL_WORLD_SIZE} on node {GROUP_RANK}".format(**os.environ)
     where = f"{device}, {dist.get_backend()}, {node} ({os.uname().nodename})"
@@ -95,7 +96,7 @@ def refuse(message):
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ["LOCAL_RANK"] != "0":
-        sys.exit(0)  # every process meets it alike: one says why, the others end quietly
+        sys.exit(0)  # every process meets it alike: local rank 0 says why, the others end quietly
     raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
 
@@ -127,10 +128,9 @@ def load_train_objs(args):
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
-    """Write a new file, then rename it: a crash leaves the old snapshot whole."""
     state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict()}
     torch.save({**state, "EPOCHS_RUN": epochs_run}, f"{path}.tmp.{os.getpid()}")
-    os.replace(f"{path}.tmp.{os.getpid()}", path)
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
 
 
 def load_snapshot(path, model, optimizer, device):
