@@ -20,7 +20,7 @@ def ddp_setup(rank, world_size, port, wait):
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    store = dist.TCPStore("localhost", port, timeout=wait)
+    store = dist.TCPStore("localhost", port, timeout=wait)  # __main__ holds it open: no port race
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
 
 
@@ -33,8 +33,7 @@ class Trainer:
         self.device = device
         self.args = args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
-        # every process starts from rank 0's weights; backward() averages the gradients
-        self.model = DDP(self.model)
+        self.model = DDP(self.model)  # rank 0's weights everywhere; backward() averages gradients
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -52,15 +51,13 @@ class Trainer:
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
-            # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
+            dist.all_reduce(loss)  # the sum over the processes; then their mean
             loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # one process logs and saves for all
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
-            last = epoch + 1 == self.args.total_epochs
-            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 
 
 def main(rank, world_size, port, args):
@@ -68,8 +65,7 @@ def main(rank, world_size, port, args):
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
-    # each process takes every world_size-th sample
-    sampler = DistributedSampler(train_set, seed=args.seed)
+    sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     dist.destroy_process_group()
@@ -89,7 +85,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -131,13 +127,11 @@ def load_snapshot(path, model, optimizer, device):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
     args = get_args(parser)
-    gpus = torch.cuda.device_count()
-    if args.nproc < 1 or (gpus > 0 and args.nproc > gpus):
-        parser.error(f"--nproc must be between 1 and the number of GPUs ({gpus}), got {args.nproc}")
+    if args.nproc < 1 or args.nproc > (torch.cuda.device_count() or args.nproc):
+        parser.error(f"--nproc must be between 1 and the number of GPUs, got {args.nproc}")
     try:
-        # the group's meeting point, held here: nothing else can take its port meanwhile
         store = dist.TCPStore("localhost", int(os.environ.get("MASTER_PORT", 0)), is_master=True)
         mp.spawn(main, args=(args.nproc, store.port, args), nprocs=args.nproc)
     except dist.DistNetworkError:

@@ -49,21 +49,19 @@ class Trainer:
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
-            # the mean of every process's loss; one process logs and saves for all
-            loss = self.accelerator.reduce(loss, reduction="mean")
+            loss = self.accelerator.reduce(loss, reduction="mean")  # the mean over the processes
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # one process logs and saves for all
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
-            last = epoch + 1 == self.args.total_epochs
-            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                model = self.accelerator.unwrap_model(self.model)  # the model inside DDP, if any
-                save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    model = self.accelerator.unwrap_model(self.model)  # the model inside DDP, if any
+                    save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)
 
 
 @record  # torchrun's summary shows this function's error, from its error file
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
     parser.error = refuse
@@ -101,7 +99,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

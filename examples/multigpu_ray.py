@@ -15,28 +15,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def run_on_ray(parser, args):
-    """The driver: join the Ray cluster, check it can place the workers, start them."""
-    if args.address:
-        # ray.init waits for minutes where nothing answers: knock first
-        try:
-            socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()
-        except (OSError, ValueError) as exc:
-            parser.error(f"no Ray cluster answers at {args.address} ({exc}): ray start --head")
-    # read at Ray's import: every rank's lines, not one of those alike; colours on a terminal only
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_COLOR_PREFIX", str(int(sys.stdout.isatty())))
-    import ray.train.torch
-
-    ray.init(args.address, runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
-    unit = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
-    if args.nproc < 1 or args.nproc > ray.cluster_resources()[unit]:
-        parser.error(f"--nproc {args.nproc}: the Ray cluster has {ray.cluster_resources()[unit]:g} {unit}s")
-    scaling = ray.train.ScalingConfig(num_workers=args.nproc, use_gpu=unit == "GPU")
-    folder = os.getcwd()
-    ray.train.torch.TorchTrainer(lambda: main(args, folder), scaling_config=scaling).fit()
-
-
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, device, args):
         self.model = model.to(device)
@@ -46,8 +24,7 @@ class Trainer:
         self.device = device
         self.args = args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
-        # every process starts from rank 0's weights; backward() averages the gradients
-        self.model = DDP(self.model)
+        self.model = DDP(self.model)  # rank 0's weights everywhere; backward() averages gradients
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -65,26 +42,48 @@ class Trainer:
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
-            # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
+            dist.all_reduce(loss)  # the sum over the processes; then their mean
             loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # one process logs and saves for all
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
-            last = epoch + 1 == self.args.total_epochs
-            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 
 
-def main(args, folder):
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None, help="Ray's HOST:PORT")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
+    args = get_args(parser)
+    if args.address:
+        # ray.init waits for minutes where nothing answers: knock first
+        try:
+            socket.create_connection(args.address.rsplit(":", 1), timeout=args.timeout).close()
+        except (OSError, ValueError) as exc:
+            parser.error(f"no Ray cluster answers at {args.address} ({exc}): ray start --head")
+    # read at Ray's import: every rank's lines, not one of those alike; colours on a terminal only
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_COLOR_PREFIX", str(int(sys.stdout.isatty())))
+    import ray.train.torch
+
+    ray.init(args.address, runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
+    unit = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
+    if args.nproc < 1 or args.nproc > ray.cluster_resources()[unit]:
+        parser.error(f"--nproc {args.nproc}: the Ray cluster has {ray.cluster_resources()[unit]:g} {unit}s")
+    scaling = ray.train.ScalingConfig(num_workers=args.nproc, use_gpu=unit == "GPU")
+    folder = os.getcwd()
+    ray.train.torch.TorchTrainer(lambda: train_worker(args, folder), scaling_config=scaling).fit()
+
+
+def train_worker(args, folder):
     """What each Ray worker runs, in a process group Ray Train has formed."""
-    # Ray starts its workers in a folder of its own: the driver's, for relative paths
-    os.chdir(folder)
+    os.chdir(folder)  # Ray starts workers in a folder of their own: the driver's, for relative paths
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
-    # each process takes every world_size-th sample
-    sampler = DistributedSampler(train_set, seed=args.seed)
+    sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
 
@@ -101,7 +100,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
@@ -141,9 +140,4 @@ def load_snapshot(path, model, optimizer, device):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None, help="Ray's HOST:PORT")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the Ray head")
-    args = get_args(parser)
-    run_on_ray(parser, args)
+    main()

@@ -31,10 +31,8 @@ class Trainer:
         # what a group that rejoins takes from a live peer
         self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
         self.manager.register_state_dict_fn("opt", optimizer.load_state_dict, optimizer.state_dict)
-        steps = self.epochs_run * len(train_data)
-        self.manager.load_state_dict({"step": steps, "batches_committed": 0})
-        # steps only when every group of the quorum commits the step
-        self.optimizer = Optimizer(self.manager, optimizer)
+        self.manager.load_state_dict({"step": self.epochs_run * len(train_data), "batches_committed": 0})
+        self.optimizer = Optimizer(self.manager, optimizer)  # steps only when every group commits
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -57,8 +55,7 @@ class Trainer:
             step = self.manager.current_step()
             if step == last_step:
                 break  # already committed by the peer this group healed from
-            # a step that did not commit is tried again
-            while self.manager.current_step() == step:
+            while self.manager.current_step() == step:  # a step not committed is tried again
                 losses.append(self._run_batch(source, targets))
         return torch.stack(losses).mean()
 
@@ -79,7 +76,7 @@ class Trainer:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
     parser.add_argument("--replica_group", type=int, default=0, help="this group's number: 0, 1, ...")
     parser.add_argument("--replica_groups", type=int, default=2, help="groups the data is split between")
     parser.add_argument("--min_replicas", type=int, default=1, help="groups a step needs")
@@ -116,7 +113,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

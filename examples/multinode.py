@@ -1,4 +1,4 @@
-"""Step 4: several machines, a torchrun on each; they meet at the rendezvous and share the snapshot.
+"""Step 4: several machines, a torchrun on each; they meet at the rendezvous, share the snapshot.
 
 torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 --rdzv-id=job1 \
     --rdzv-conf=join_timeout=60,read_timeout=30 multinode.py 10 5 --snapshot_path /shared/snapshot.pt
@@ -33,13 +33,11 @@ class Trainer:
         self.device = device
         self.args = args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
-        # every node must have found the same snapshot: a folder they share
         runs = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
-        dist.all_reduce(runs, dist.ReduceOp.MAX)
+        dist.all_reduce(runs, dist.ReduceOp.MAX)  # the most epochs any node found, and -the fewest
         if runs[0] != -runs[1]:
             refuse(f"the nodes found different snapshots at {args.snapshot_path}: share it")
-        # every process starts from rank 0's weights; backward() averages the gradients
-        self.model = DDP(self.model)
+        self.model = DDP(self.model)  # rank 0's weights everywhere; backward() averages gradients
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -49,29 +47,26 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        # a new order every epoch, the same in every run
-        self.train_data.sampler.set_epoch(epoch)
+        self.train_data.sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
         losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
     def train(self):
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
-            # the mean of every process's loss; one process logs and saves for all
-            dist.all_reduce(loss)
+            dist.all_reduce(loss)  # the sum over the processes; then their mean
             loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # one process logs and saves for all
                 print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
-            last = epoch + 1 == self.args.total_epochs
-            if dist.get_rank() == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
+                    save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 
 
 @record  # torchrun's summary shows this function's error, from its error file
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the rest")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun on every node: torchrun --nnodes=2 ... {sys.argv[0]} ...")
     parser.error = refuse
@@ -85,8 +80,7 @@ def main():
     where = f"{device}, {dist.get_backend()}, {node} ({os.uname().nodename})"
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
-    # each process takes every world_size-th sample
-    sampler = DistributedSampler(train_set, seed=args.seed)
+    sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     dist.destroy_process_group()
@@ -108,7 +102,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

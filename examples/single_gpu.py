@@ -39,8 +39,7 @@ class Trainer:
             loss = self._run_epoch(epoch)
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             print(f"{progress} | world_size 1", flush=True)
-            last = epoch + 1 == self.args.total_epochs
-            if (epoch + 1) % self.args.save_every == 0 or last:
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch + 1)
 
 
@@ -65,7 +64,7 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshot_path", default=parser.prog.removesuffix(".py") + "_snapshot.pt")
+    parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:

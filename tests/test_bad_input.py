@@ -95,7 +95,7 @@ ONE_GPU = "import torch\ntorch.cuda.device_count = lambda: 1\n"
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("multigpu", "--nproc must be between 1 and the number of GPUs (1), got 2"),
+        ("multigpu", "--nproc must be between 1 and the number of GPUs, got 2"),
     ],
 )
 def test_more_processes_than_gpus_are_refused(tmp_path, name, message):

@@ -118,7 +118,7 @@ def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
     spawn = run([PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--nproc", too_many], timeout=120, check=False,
                 cwd=tmp_path, env=GPU_ENV)  # fmt: skip
     assert spawn.returncode == 2, spawn.stdout[-2000:]
-    assert f"--nproc must be between 1 and the number of GPUs ({GPUS}), got {too_many}" in spawn.stdout
+    assert f"--nproc must be between 1 and the number of GPUs, got {too_many}" in spawn.stdout
     torchrun = run(example_cmd("multigpu_torchrun", 1, 1, nproc=too_many), timeout=120, check=False,
                    cwd=tmp_path, env=GPU_ENV)  # fmt: skip
     # under torchrun the lesson leaves it to CUDA, as docs/troubleshooting.md says
