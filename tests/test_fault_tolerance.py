@@ -140,8 +140,10 @@ def test_the_restart_block_of_docs_fault_tolerance_md_runs_as_written_and_recove
     """docs/fault-tolerance.md's torchrun --max-restarts block, verbatim, in a folder laid out as the
     repository's root; once demo_snapshot.pt holds 5 epochs, rank 1 is killed, as the page says to do by
     hand (here the worker of this test's torchrun, not the oldest torchrun on the machine): torchrun starts
-    new workers, rank 0 resumes from the snapshot and the run ends at epoch 10, exit 0. Mutation: the block
-    without --max-restarts=3: torchrun gives up at the kill and the test fails."""
+    new workers, rank 0 resumes from the snapshot and the run ends at epoch 10, exit 0. torchrun names the
+    failure it dates first: rank 1's SIGKILL (-9), or rank 0's SIGTERM (-15) when rank 0's error file, written
+    as gloo reported the lost peer, is older (seen once in 2026-11-28's runs, under load). Mutation: the
+    block without --max-restarts=3: torchrun gives up at the kill and the test fails."""
     (tmp_path / "examples").symlink_to(REPO / "examples")
     block = doc_block("docs/fault-tolerance.md", DOC_MARKER)
     env = {"PATH": f"{Path(PYTHON).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -162,7 +164,7 @@ def test_the_restart_block_of_docs_fault_tolerance_md_runs_as_written_and_recove
         return agent.returncode, (tmp_path / "out.txt").read_text()
 
     code, out = once_more_after_torch_race(attempt)
-    assert code == 0 and "failed (exitcode: -9)" in out, out[-4000:]
+    assert code == 0 and re.search(r"failed \(exitcode: -(9|15)\)", out), out[-4000:]
     assert out.count("resuming from demo_snapshot.pt: 5 epochs already run\n") == 1, out[-4000:]
     assert TrainLog(out).epochs[-1] == 10 and load_snapshot(tmp_path / "demo_snapshot.pt")["EPOCHS_RUN"] == 10
 
