@@ -148,7 +148,7 @@ def test_accelerate_launch_with_the_committed_configs_takes_the_steps_of_one_pro
 def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, name):
     """Stopped after 2 epochs and run again to 4, a lesson ends bit for bit where one run of 4 ends; run once
     more, it trains nothing. The second run saves every 3 epochs: its last snapshot is saved because epoch 4
-    is the last. Mutation: no save at the last epoch (multigpu_torchrun.py) -> the third run trains epoch 4."""
+    is the last. Mutation: no save at the last epoch (multigpu_torchrun.py) -> it ends with epoch 3's."""
     args = ["--batch_size", BATCH * NPROC if name == "single_gpu" else BATCH, *COMMON]
     first = run(example_cmd(name, 2, 2, *args), timeout=300, cwd=tmp_path)
     assert TrainLog(first.stdout).epochs == [1, 2]
