@@ -86,12 +86,21 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
+class LayerNorm(nn.LayerNorm):
+    """A LayerNorm computed in float32 whatever its weights' type: FSDP gathers them in bf16 under --dtype
+    bf16, where one process keeps them in float32; both then normalise alike, as autocast does on a GPU."""
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), bias, self.eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln1 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
         self.recompute = False  # activation checkpointing (ac.apply_ac)
 
@@ -115,7 +124,7 @@ class GPT(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         # by name, "0" to "n_layer - 1": a pipeline stage keeps some of them under their own names
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=cfg.padded_vocab > cfg.vocab_size)
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
         if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
@@ -143,7 +152,9 @@ class GPT(nn.Module):
             length = x.shape[1]
             if length > self.cfg.block_size:
                 raise ValueError(f"sequence of {length} tokens, longer than block_size {self.cfg.block_size}")
-            x = self.dropout(self.tok_emb(x) + self.pos_emb(torch.arange(length, device=x.device)))
+            tokens, positions = self.tok_emb(x), self.pos_emb(torch.arange(length, device=x.device))
+            # the residual stream in float32 in every layout, also where FSDP gathers bf16 weights
+            x = self.dropout(tokens.float() + positions.float())
         for block in self.blocks.values():
             x = block(x)
         return x if self.head is None else self.head(self.ln_f(x))

@@ -47,7 +47,9 @@ def setup_processes(timeout=600):
         device = torch.device("cpu")
     if "WORLD_SIZE" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        # device_id: NCCL connects at once, here, not at the first collective
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id)
     return rank, world, device
 
 
@@ -162,7 +164,7 @@ class Trainer:
         a = self.args
         self.parallel.train(False)
         offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
+        loss_sum, count = torch.zeros((), device=self.device, dtype=torch.float64), 0
         mine = offsets[self.dp_rank :: self.dp_world]
         # every process runs as many forwards (sharded weights are gathered in each): the largest share's
         for start in range(0, -(-len(offsets) // self.dp_world), a.batch_size):
@@ -171,7 +173,11 @@ class Trainer:
             with self.autocast():
                 loss = self.parallel.loss(x, y)
             if len(chunk):
-                totals += torch.stack([loss.double() * len(chunk), totals.new_tensor(len(chunk))])
+                loss_sum += loss.double() * len(chunk)
+                count += len(chunk)
+        totals = torch.stack(
+            [loss_sum, loss_sum.new_tensor(count)]
+        )  # one copy to the device, not one a batch
         if dist.is_initialized():  # the processes of one share (tp, pp) add the same terms: the mean holds
             dist.all_reduce(totals)
         self.parallel.train(True)
