@@ -11,13 +11,25 @@ import pickle
 import pty
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, doc_block, import_gpt_module, run
+from conftest import (
+    GPT_ON_PATH,
+    PROGRAMS,
+    PYTHON,
+    REPO,
+    TORCHRUN,
+    doc_block,
+    free_port,
+    import_gpt_module,
+    run,
+    run_together,
+)
 from test_gpt import GPT, TINY, TRAIN, cache, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
@@ -218,6 +230,82 @@ def test_processes_wait_for_a_slow_preparation_and_share_a_failed_one(tmp_path):
     assert proc.returncode == 1 and re.search(r"exitcode +: 2 ", proc.stdout), proc.stdout[-3000:]
     assert proc.stdout.count("preparing in local rank") == 1, proc.stdout[-3000:]
     assert proc.stdout.count(message) == 1, proc.stdout[-3000:]
+
+
+def two_nodes(tmp_path, folders, name):
+    """Two torchrun agents on this machine, one process each, forming one world at a c10d endpoint as two
+    nodes would, node i given --data folders[i], on a model smaller than TINY for 2 steps: [(exit status,
+    output)] of each node."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    small = ["--n_layer", 1, "--n_embd", 32, "--block_size", 16, *SHORT, "--max_steps", 2, "--save_every", 2]
+    args = ["--cache_dir", tmp_path / "cache", *TINY, *small, "--snapshot_path", name]
+    nodes = [
+        [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+         TRAIN, "--data", folder, *args]
+        for folder in folders
+    ]  # fmt: skip
+    return run_together(nodes, timeout=300, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+
+
+def test_nodes_given_different_data_are_refused_before_step_1_and_the_same_data_trains(tmp_path):
+    """Two nodes given folders prepared from the same lines in another order: one character tokenizer, the
+    same shard sizes, other ids. Both refuse before step 1 in one line naming each rank's data digest
+    (prepare.py's, from the manifest) and host, and write nothing; given one folder, they train.
+    Mutation: the comparison in train.py removed: both nodes train on their own data and exit 0."""
+    prepare_mod = import_gpt_module("prepare")
+    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
+    manifests = {}
+    for name, text in (("a", lines), ("b", lines[::-1])):
+        (tmp_path / f"{name}.txt").write_text("".join(text))
+        sources, out = [str(tmp_path / f"{name}.txt")], tmp_path / name
+        manifests[name] = prepare_mod.prepare(sources, out, "char", log=lambda text: None, workers=1)
+    a, b = manifests["a"], manifests["b"]
+    assert (a["tokenizer"], a["shards"]) == (b["tokenizer"], b["shards"])
+    assert a["data_sha256"] != b["data_sha256"]
+    ended = two_nodes(tmp_path, [tmp_path / "a", tmp_path / "b"], "refused")
+    host = socket.gethostname()
+    said = {
+        f"error: the processes would train on different data: ranks [1] (host {host}) have data digest "
+        f"{manifests[other]['data_sha256'][:12]} where ranks [0] (host {host}) have "
+        f"{manifests[first]['data_sha256'][:12]}: prepare it once (examples/gpt/prepare.py --out DIR) on "
+        "storage every node shares and pass --data DIR on every node"
+        for first, other in (("a", "b"), ("b", "a"))
+    }
+    for code, out in ended:
+        assert code == 1 and sum(out.count(line) for line in said) == 1, out[-3000:]
+        assert not re.search(r"^step \d", out, re.M) and "saved" not in out, out[-3000:]
+    assert len({line for line in said for _, out in ended if line in out}) == 1  # the same line on both
+    assert not (tmp_path / "refused").exists()
+    ended = two_nodes(tmp_path, [tmp_path / "a", tmp_path / "a"], "trained")
+    assert [code for code, _ in ended] == [0, 0], ended
+    assert "saved trained at step 2" in "".join(out for _, out in ended), ended
+
+
+def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_path):
+    """A folder prepared before manifests held data_sha256, and nanoGPT's shards, load with a digest of the
+    vocabulary, the tokenizer and each shard's size, first and last MiB (no whole read); prepare.py writes
+    the old folder again, to hold its digest. Mutation: the sampled digest without the shards' bytes: the
+    lines of one text in another order read as the same data."""
+    prepare_mod, data = import_gpt_module("prepare"), import_gpt_module("data")
+    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
+    digests = []
+    for name, text in (("a", lines), ("b", lines[::-1])):
+        (tmp_path / f"{name}.txt").write_text("".join(text))
+        sources, out = [str(tmp_path / f"{name}.txt")], tmp_path / name
+        manifest = prepare_mod.prepare(sources, out, "char", log=lambda text: None, workers=1)
+        assert data.open_shards(out).data_digest == manifest["data_sha256"]
+        del manifest["data_sha256"]  # as prepare.py wrote it before
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        digests.append(data.open_shards(out).data_digest)
+        assert not prepare_mod.is_prepared(out, manifest["input"])
+        nanogpt = tmp_path / f"{name}-nanogpt"
+        nanogpt.mkdir()
+        for shard in ("train.bin", "val.bin"):
+            shutil.copy(out / shard, nanogpt)
+        digests.append(data.open_shards(nanogpt, manifest["tokenizer"]["vocab_size"]).data_digest)
+    assert len(set(digests)) == 4, digests
+    prepare_mod.prepare(sources, out, "char", log=lambda text: None, workers=1)
+    assert "data_sha256" in json.loads((out / "manifest.json").read_text())
 
 
 DOC_MARKER = "<!-- tests/test_gpt_data.py runs the next block as written -->"

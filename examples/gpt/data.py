@@ -101,12 +101,14 @@ def download(url, dest, timeout):
 
 
 class Corpus:
-    """The train and validation tokens, memory-mapped from their shards (no process reads them whole), and
-    the tokenizer they were made with (None for nanoGPT's shards without one)."""
+    """The train and validation tokens, memory-mapped from their shards (no process reads them whole), the
+    tokenizer they were made with (None for nanoGPT's shards without one), its digest, and the data's
+    (data_digest): what the processes of a run compare before they train."""
 
     def __init__(self, folder, manifest, tokenizer, digest):
         self.folder, self.manifest, self.tokenizer, self.digest = folder, manifest, tokenizer, digest
         self.vocab_size = manifest["tokenizer"]["vocab_size"]
+        self.data_digest = manifest.get("data_sha256") or sampled_digest(folder, manifest, digest)
         self.unigram = manifest.get("unigram_entropy")
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[manifest["dtype"]]
         self.train, self.val = (
@@ -130,6 +132,42 @@ class Corpus:
 
     def start_id(self):
         return 0 if self.tokenizer is None else self.tokenizer.start_id()
+
+
+SAMPLE = 1 << 20  # bytes read at each end of a shard that has no digest
+
+
+def sampled_digest(folder, manifest, tokenizer_digest):
+    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py wrote
+    before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and last MiB,
+    read once at start-up; never the whole corpus, which may be larger than memory. Two corpora of the
+    same sizes that differ only in their middle go unnoticed: prepare.py's digest covers every byte."""
+    digest = hashlib.sha256(f"{manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n".encode())
+    for name in prepare.SHARDS:
+        shard = manifest["shards"][name]
+        digest.update(f"{name} {shard['bytes']}\n".encode())
+        with open(folder / shard["file"], "rb") as f:
+            digest.update(f.read(SAMPLE))
+            f.seek(max(shard["bytes"] - SAMPLE, 0))
+            digest.update(f.read(SAMPLE))
+    return digest.hexdigest()
+
+
+def disagreement(found):
+    """The sentence saying which processes would train on which data, from (data digest, host) of every
+    process in rank order (rank 0's data first named as the one the others differ from); None when every
+    process has the same."""
+    groups = {}  # digest: (ranks, hosts)
+    for rank, (digest, host) in enumerate(found):
+        ranks, hosts = groups.setdefault(digest, ([], []))
+        ranks.append(rank)
+        if host not in hosts:
+            hosts.append(host)
+    if len(groups) == 1:
+        return None
+    (digest, (ranks, hosts)), *others = groups.items()
+    differ = ", ".join(f"ranks {r} (host {', '.join(h)}) have data digest {d[:12]}" for d, (r, h) in others)
+    return f"{differ} where ranks {ranks} (host {', '.join(hosts)}) have {digest[:12]}"
 
 
 def map_ids(path, tokens, dtype):

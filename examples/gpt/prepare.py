@@ -6,7 +6,8 @@
 
 OUT then holds tokenizer.json, train.bin and val.bin (the ids, uint16 where the vocabulary fits, else uint32;
 no header, as nanoGPT writes them) and manifest.json (the tokenizer's digest, the token counts, the dtype, the
-shard sizes, and a fingerprint of the input). Running it again on the same input and options does nothing.
+shard sizes, a fingerprint of the input, and the data's digest: of the tokenizer and every id, which the
+processes of a run compare before they train). Running it again on the same input and options does nothing.
 Every file is written next to its final name and renamed into place (checkpoint.atomic_write): a manifest that
 says the folder is incomplete first, the complete manifest last. A run stopped before it writes leaves the
 previous output; stopped later, a folder that train.py refuses in one line and prepare.py, run again, redoes;
@@ -182,6 +183,8 @@ def is_prepared(out, key):
     """out already holds the complete output of these inputs and options."""
     try:
         manifest = json.loads((Path(out) / MANIFEST).read_text())
+        if "data_sha256" not in manifest:  # written before manifests held it: written again, to hold it
+            return False
         return manifest.get("input") == key and all(
             (Path(out) / s["file"]).stat().st_size == s["bytes"] for s in manifest["shards"].values()
         )
@@ -217,7 +220,7 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     # beside its name and renamed over it (atomic_write), the complete manifest last.
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
     atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
-    sizes, counts = write_shards(out, spec, tokenizer.vocab_size, sources, dtype, total, workers)
+    sizes, counts, data_digest = write_shards(out, spec, tokenizer.vocab_size, sources, dtype, total, workers)
     manifest = {
         "format": FORMAT,
         "input": key,
@@ -233,6 +236,7 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
             for name, size in sizes.items()
         },
         "unigram_entropy": unigram_entropy(counts),
+        "data_sha256": data_digest,
     }
     atomic_write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
     fsync_dir(out)
@@ -261,7 +265,8 @@ def make_tokenizer(kind, vocab_size, texts, log):
 
 def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
     """Encode the sources with the tokenizer `spec` into out's two shards, the ids going to disk as they
-    come; returns ({shard: tokens}, each id's count in the training shard)."""
+    come; returns ({shard: tokens}, each id's count in the training shard, the data's digest: of the
+    tokenizer, the dtype, and each shard's name, size and ids)."""
     scratch = out / f"ids.tmp.{os.getpid()}"  # every id in order, split into the two shards at the end
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:
@@ -271,22 +276,28 @@ def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
         tokens = scratch.stat().st_size // np.dtype(dtype).itemsize
         sizes = {"train": int(tokens * (1 - VAL_FRACTION))}
         sizes["val"] = tokens - sizes["train"]
+        digest = hashlib.sha256(f"{tok.digest(spec)} {dtype}\n".encode())
         with open(scratch, "rb") as f:
             copy = {"train": counts, "val": None}
             for name, size in sizes.items():
+                digest.update(f"{name} {size}\n".encode())
                 atomic_write(
-                    out / f"{name}.bin", lambda dest, n=size, c=copy[name]: copy_ids(f, dest, n, dtype, c)
+                    out / f"{name}.bin",
+                    lambda dest, n=size, c=copy[name]: copy_ids(f, dest, n, dtype, c, digest),
                 )
     finally:
         scratch.unlink(missing_ok=True)
-    return sizes, counts
+    return sizes, counts, digest.hexdigest()
 
 
-def copy_ids(src, dest, count, dtype, counts=None):
-    """count ids of dtype from the file src to dest, a block at a time; counts (if given) adds up each id."""
+def copy_ids(src, dest, count, dtype, counts, digest):
+    """count ids of dtype from the file src to dest, a block at a time, each block into the hash digest;
+    counts (if given) adds up each id."""
     while count > 0:
         block = np.fromfile(src, dtype=dtype, count=min(count, PIECE))
-        dest.write(block.tobytes())
+        raw = block.tobytes()
+        dest.write(raw)
+        digest.update(raw)
         if counts is not None:
             counts += np.bincount(block, minlength=len(counts))
         count -= len(block)

@@ -6,14 +6,16 @@ any layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel 
     torchrun --standalone --nproc-per-node=8 examples/gpt/train.py --pp 2 --dp_shard 2 --tp 2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
         examples/gpt/train.py                                     # restarted processes resume
+    python examples/gpt/prepare.py --out /shared/stdlib           # once: every node trains on the same data
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        examples/gpt/train.py --model gpt2 --snapshot_path /shared/gpt
+        examples/gpt/train.py --model gpt2 --data /shared/stdlib --snapshot_path /shared/gpt
 
 The folder is self-contained: copy it, it needs torch alone (and `tokenizers` for a BPE tokenizer). Run
 with --help for every option. Text is tokenized into shards first (prepare.py, or here into the cache).
 """
 
 import os
+import socket
 
 import checkpoint
 import data
@@ -58,6 +60,11 @@ def main():
     except RuntimeError as exc:  # the others never came to the rendezvous
         failure.timed_out(args, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), exc)
     hang.arm(args.snapshot_path, rank, world)  # dumps when another process's collective times out
+    differ = data.disagreement(all_ranks((corpus.data_digest, socket.gethostname())))
+    if differ:  # each node prepared its own corpus, or was given another folder
+        failure.fail(f"error: the processes would train on different data: {differ}: prepare it once "
+                     "(examples/gpt/prepare.py --out DIR) on storage every node shares and pass --data DIR "
+                     "on every node")  # fmt: skip
     steps = set(all_ranks(-1 if snapshot is None else int(snapshot["step"])))
     if len(steps) > 1:  # a node without the snapshot would start over while the others resume
         failure.fail(f"error: the processes found different snapshots (steps {sorted(steps)}; -1: none): put "
