@@ -161,6 +161,7 @@ def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):  # noqa: F8
         (2, ["--parallel", "tp", "--n_head", "3", "--n_embd", "48"], "--n_head 3 does not divide into 2"),
         (2, ["--parallel", "tp", "--comm_hook", "bf16"], "--comm_hook is for DDP"),
         (2, ["--dp_shard", "2", "--comm_hook", "fp16"], "--comm_hook is for DDP"),
+        (2, ["--parallel", "tp", "--compile", "--dropout", "0.1"], "--compile with --tp 2 and --dropout 0.1"),
         (4, ["--dp_shard", "2", "--tp", "3"], "= 6 processes, but WORLD_SIZE is 4"),
         (4, ["--tp", "4"], "--tp 4: --n_head 2 does not divide into 4 parts"),
         (4, ["--parallel", "zero", "--dp_shard", "2"], "--parallel zero splits AdamW's state over plain"),

@@ -105,7 +105,9 @@ class Block(nn.Module):
         self.recompute = False  # activation checkpointing (ac.apply_ac)
 
     def forward(self, x):
-        if self.recompute and torch.is_grad_enabled():
+        # grad mode read first: evaluation and sampling then never read recompute, so a compiled block's
+        # graphs for them serve every block (parallel.apply_compile), recomputed or not
+        if torch.is_grad_enabled() and self.recompute:
             # keep the input only; backward recomputes the rest, with the same random state (dropout)
             return checkpoint(self.residual, x, use_reentrant=False)
         return self.residual(x)

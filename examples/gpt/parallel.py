@@ -4,6 +4,7 @@
     build_mesh      the named mesh pp x dp_replicate x dp_shard x tp
     split_stage     pp: this process keeps its stage's consecutive blocks
     apply_tp        tp: every block's four matrices split over mesh["tp"]
+    apply_compile   --compile: each block's forward compiled, after tp and before FSDP
     apply_fsdp      dp_shard (and HSDP's replicas): parameters, gradients, AdamW state sharded (FSDP2)
     apply_ddp       dp_replicate alone: a replica per process, gradients all-reduced (DDP)
     make_optimizer  AdamW, or under zero the ZeroRedundancyOptimizer over the replicas
@@ -126,6 +127,16 @@ class ShareDropout(nn.Dropout):
             return x
         with own_stream(self.share, x.device):
             return super().forward(x)
+
+
+def apply_compile(model):
+    """--compile: each block's forward compiled in place, as torchtitan compiles each block, after tp and
+    before FSDP. fullgraph: a graph break is an error, never a block run eagerly. The blocks share their
+    code, so one compiled graph serves them all. The forward, not the module (block.compile() would trace
+    its hooks): FSDP's all-gathers, which dynamo never traces, run around the graph; and the parameters keep
+    their names, so snapshots load across compiled and eager runs."""
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward, fullgraph=True)
 
 
 def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
@@ -298,14 +309,17 @@ def parallelize(model, layout, args, device, param_dtype=None):
     blocks first, whatever the layout."""
     apply_ac(model, args.ac, args.ac_every)
     if layout.world == 1:
+        if args.compile:
+            apply_compile(model)
         materialise(model, device, args.seed)
-        runner = torch.compile(model) if args.compile else model
-        return Parallel(model, runner, layout, None)
+        return Parallel(model, model, layout, None)
     mesh = build_mesh(layout, device)
     if layout.pp > 1:
         split_stage(model, mesh)
     if layout.tp > 1:
         apply_tp(model, mesh)
+    if args.compile:
+        apply_compile(model)
     # replicas beside tp or pp are HSDP's (FSDP2 with dp_shard 1): DDP takes no DTensors, nor a pipeline
     # schedule's micro-batches
     sharded = layout.dp_shard > 1 or (layout.dp_replicate > 1 and (layout.tp > 1 or layout.pp > 1))
@@ -314,7 +328,7 @@ def parallelize(model, layout, args, device, param_dtype=None):
     materialise(model, device, args.seed)
     if layout.pp > 1:
         return Pipeline(model, layout, mesh, args, device)
-    runner = torch.compile(model) if args.compile else model
+    runner = model
     if layout.dp_replicate > 1 and not sharded:
         runner = apply_ddp(runner, mesh, device, args.comm_hook)
     return Parallel(model, runner, layout, mesh)
