@@ -142,8 +142,8 @@ def apply_compile(model):
 def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
     """FSDP2 over (dp_replicate, dp_shard): each block's parameters split over dp_shard, gathered just
     before its forward and backward, gradients reduce-scattered; with dp_replicate > 1, HSDP: the shards
-    are replicated and their gradients all-reduced across replicas. Under bf16, parameters travel (and
-    compute) in bf16, gradients are reduced in float32 and the sharded float32 weights are the master copy.
+    are replicated and their gradients all-reduced across replicas. Under bf16, parameters travel in bf16
+    (the norms upcast them), gradients are reduced in float32 and the float32 shards are the master copy.
     The tied embedding/head matrix belongs to no block: the root call shards it, once. A pipeline stage
     passes reshard_after_forward=False (torchtitan's policy under pp): each block stays gathered from its
     first micro-batch's forward to the step's last backward, one all-gather per block and step instead of
