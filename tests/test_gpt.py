@@ -131,6 +131,29 @@ def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_sa
     assert out.max().item() < 50
 
 
+def test_the_attention_kernel_is_chosen_by_model_attention_backends_and_named_at_start_up(
+    tmp_path, cache, monkeypatch
+):
+    """The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
+    dropout, which that kernel does not take); the model's attention runs the kernels in the order
+    model.attention_backends gives, and the name follows it. Mutations: the CPU's list without
+    FLASH_ATTENTION -> the line says math; attend() without sdpa_kernel -> math asked for, flash ran."""
+    proc = train(tmp_path, cache, "--max_steps", 1, "--sample_chars", 0)
+    assert "1 process(es) on cpu, float32, attention flash_attention_for_cpu |" in proc.stdout, proc.stdout
+    model_mod = import_gpt_module("model")
+    cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    cpu = torch.device("cpu")
+    assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.1) == "math"
+    attention = model_mod.CausalSelfAttention(cfg)
+    q = torch.randn(1, 2, 16, 16, requires_grad=True)
+    ran = type(attention.attend(q, q, q, 0.0).grad_fn).__name__  # a fused kernel's backward is its own
+    assert ran == "ScaledDotProductFlashAttentionForCpuBackward0", ran
+    monkeypatch.setattr(model_mod, "attention_backends", lambda device: [model_mod.SDPBackend.MATH])
+    assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.0) == "math"
+    ran = type(attention.attend(q, q, q, 0.0).grad_fn).__name__
+    assert not ran.startswith("ScaledDotProduct"), ran
+
+
 # ---- DDP, accumulation, metrics -----------------------------------------------------------------------
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 RUN = ["--max_steps", 60, "--save_every", 10, "--metrics_path", "m.jsonl", "--grad_clip", 0]

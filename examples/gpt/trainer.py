@@ -16,7 +16,7 @@ import train_state
 from config import resolve_dtype
 from memory import MemoryHistory, MemoryMeter
 from metrics import Metrics, RankTimes
-from model import GPT, flops_per_token, optimizer_groups, parameter_count
+from model import GPT, attention_kernel, flops_per_token, optimizer_groups, parameter_count
 from torch.distributed.tensor.experimental import implicit_replication
 from traces import StepProfiler
 from train_state import all_ranks, model_config
@@ -193,11 +193,12 @@ class Trainer:
         a = self.args
         params, dtype = self.params / 1e6, str(self.dtype).removeprefix("torch.")
         tokens = f"{self.corpus.tokenizer.kind} tokenizer" if self.corpus.tokenizer else "no tokenizer"
+        kernel = attention_kernel(self.raw.cfg, self.device, self.dtype, self.raw.cfg.dropout)
         self.log(
             f"model {a.model}: {params:.2f}M parameters, vocabulary {self.corpus.vocab_size}, {tokens}, "
             f"{len(self.train_data)} training tokens | {self.world} process(es) on {self.device.type}, "
-            f"{dtype} | layout {self.layout.describe()} | global batch {self.global_batch} x "
-            f"{a.block_size} tokens"
+            f"{dtype}, attention {kernel} | layout {self.layout.describe()} | global batch "
+            f"{self.global_batch} x {a.block_size} tokens"
         )
         if self.corpus.unigram is not None:
             self.log(f"unigram entropy of the training text: {self.corpus.unigram:.4f}")
