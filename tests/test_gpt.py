@@ -580,6 +580,7 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
         (["--profile_dir", "blocker/t"], "--profile_dir blocker/t: "),
         (["--slow_factor", "0.5"], "--slow_factor must be 0 or 1 or more, got 0.5"),
         (["--memory_snapshot", "m.pickle"], "--memory_snapshot records CUDA allocations: it needs a GPU"),
+        (["--compile_mode", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs is for --compile"),
     ],
 )
 def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
@@ -703,6 +704,26 @@ def test_mfu_uses_each_gpus_own_peak(monkeypatch):
     for name, peak in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert trainer.peak_flops(args, torch.device("cuda")) == peak, name
+
+
+def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):
+    """GPT-2 small's training FLOPs a token by both counts: llm.c's from its 124,475,904 parameters (as
+    train_gpt2.cu prints them) and attention as 6 * layers * width * context; this trainer's without the
+    position embedding and attention as 12 * layers * width * context. The metrics record both MFUs.
+    Mutation: llm.c's attention counted as 12 * layers * width * context -> this fails."""
+    model_mod = import_gpt_module("model")
+    with torch.device("meta"):
+        gpt2 = model_mod.GPT(model_mod.GPTConfig(50257, 1024, n_layer=12, n_head=12, n_embd=768))
+    attention = 12 * 768 * 1024
+    assert model_mod.flops_per_token(gpt2, llmc=True) == 6 * 124_475_904 + 6 * attention
+    assert model_mod.flops_per_token(gpt2) == 6 * (124_475_904 + 50304 - 1024 * 768) + 12 * attention
+    args = ["--max_steps", 5, "--sample_chars", 0, "--peak_tflops", 1, "--metrics_path", "m.jsonl"]
+    train(tmp_path, cache, *args)
+    (logged,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:1]]
+    with torch.device("meta"):  # TINY's shape, on the default corpus's 96 characters
+        tiny = model_mod.GPT(model_mod.GPTConfig(96, 64, n_layer=2, n_head=2, n_embd=64))
+    ratio = model_mod.flops_per_token(tiny, llmc=True) / model_mod.flops_per_token(tiny)
+    assert logged["mfu_llmc"] == pytest.approx(logged["mfu"] * ratio), logged
 
 
 def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):

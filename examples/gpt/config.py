@@ -274,6 +274,11 @@ def speed_options(p):
         help="autocast type; auto: bf16 on GPUs that have it, else fp16 with a gradient scaler; fp32 on CPU",
     )  # fmt: skip
     group.add_argument("--compile", action="store_true", help="torch.compile each block, in every layout")
+    group.add_argument(
+        "--compile_mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
+        help="--compile: torch.compile's mode; max-autotune-no-cudagraphs times several kernels for each "
+        "matmul at the first step and keeps the fastest (%(default)s)",
+    )  # fmt: skip
     group.add_argument("--comm_hook", choices=["fp16", "bf16"], help="DDP: all-reduce gradients in 16 bits")
     group.add_argument(
         "--peak_tflops", type=float, help="the device's dense peak, for MFU (known GPUs: auto)"
@@ -286,6 +291,10 @@ def speed_options(p):
     group.add_argument("--ac_every", type=int, help="--ac selective: every this many blocks recompute (2)")
     return lambda args: [
         (args.peak_tflops is None or args.peak_tflops > 0, "--peak_tflops must be positive"),
+        (
+            args.compile or args.compile_mode == "default",
+            f"--compile_mode {args.compile_mode} is for --compile",
+        ),
         (
             args.ac_every is None or args.ac == "selective",
             f"--ac_every is for --ac selective (this run: --ac {args.ac})",

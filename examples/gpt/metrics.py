@@ -23,6 +23,7 @@ TAGS = {
     "skipped": "train/skipped",
     "tokens_per_s": "perf/tokens_per_s",
     "mfu": "perf/mfu",
+    "mfu_llmc": "perf/mfu_llmc",
     "step_ms": "perf/step_ms",
 }
 

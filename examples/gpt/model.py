@@ -267,10 +267,15 @@ def parameter_count(model, non_embedding=True):
     return count - model.pos_emb.weight.numel() if non_embedding else count
 
 
-def flops_per_token(model):
+def flops_per_token(model, llmc=False):
     """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and mixing,
-    12 * layers * width * context (heads * head width = width)."""
+    12 * layers * width * context (heads * head width = width). llmc=True: llm.c's count (gpt2_estimate_mfu
+    in train_gpt2.cu), 6 per trained parameter, the position embedding's too, and 6 * layers * width *
+    context."""
     cfg = model.cfg
+    if llmc:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # not the padding bias
+        return 6 * trained + 6 * cfg.n_layer * cfg.n_embd * cfg.block_size
     return 6 * parameter_count(model) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 

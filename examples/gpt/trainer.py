@@ -93,6 +93,7 @@ class Trainer:
             parameter_count(model, non_embedding=False),
             flops_per_token(model),
         )
+        self.llmc_flops_per_token = flops_per_token(model, llmc=True)  # MFU as llm.c counts it too
         param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
         self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
         self.raw = self.parallel.module  # this process's part of the GPT
@@ -271,7 +272,8 @@ class Trainer:
             fields.update(rank_ms=times, slow_ranks=slow)
         per_rank = {f"ranks/data_forward_ms/rank{r}": ms for r, ms in enumerate(times)}
         fields.update(world_size=self.world, skipped=self.checks.skipped)
-        fields.update({} if mfu is None else {"mfu": mfu})
+        if mfu is not None:  # also as llm.c counts the FLOPs
+            fields.update(mfu=mfu, mfu_llmc=mfu * self.llmc_flops_per_token / self.flops_per_token)
         self.metrics.record(self.step, scalars=per_rank, **fields)
 
     def finish(self, meter):
