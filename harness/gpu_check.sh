@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# What only a GPU can run, in one go (`make gpu-check`; about 4 minutes on one H200): the GPU tests,
-# then GPT-2 small (--model gpt2, 124M parameters, on `make gpt-data`'s BPE shards, one process, batch 16 x
-# 1024 tokens) in bf16, eager and compiled, 40 steps each: the log lines of steps 20 to 40 (ms/step,
-# tokens/s, MFU) and the memory line (peak CUDA memory allocated). Everything goes to $OUT as well.
+# What only a GPU can run, in one go (`make gpu-check`): the GPU tests; the layout matrix
+# (tests/programs/layout_matrix.py) at world size 1 on NCCL, eager and compiled; then GPT-2 small (--model
+# gpt2, 124M parameters, on `make gpt-data`'s BPE shards, one process, bf16) compiled in torch.compile's
+# default mode and in max-autotune-no-cudagraphs, at 16, 32 and 64 sequences of 1024 tokens a step and at
+# 16 x 32 micro-batches (524,288 tokens), 15 steps each, and harness/gpu_table.py's table of steps 6 to 15:
+# ms/step, tokens/s, peak memory, MFU by two counts, each run's command, and the fastest run under 40 GB.
+# Everything goes to $OUT as well. Not yet run on a GPU with these runs: the time of each run is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,17 +23,45 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   tests/test_gpt.py::test_on_gpus_it_trains_in_bf16_and_reports_mfu 2>&1 | tee "$OUT/tests.txt" || true
 
-if [ ! -f "$DATA/manifest.json" ]; then
-  "$PY" examples/gpt/prepare.py --out "$DATA" | tail -n 3
-fi
+# the layout matrix at world size 1 on NCCL (tests/test_gpt_layouts.py runs it on gloo), on its tiny model
+tiny=(--n_layer 4 --n_head 4 --n_embd 32 --block_size 16 --eval_samples 8 --sample_chars 0 --grad_clip 0)
+tiny+=(--lr 3e-3 --warmup_steps 0 --cache_dir "$OUT/cache")
 for run in eager compile; do
   flags=()
   if [ "$run" = compile ]; then
     flags=(--compile)
   fi
-  rm -rf "${OUT:?}/$run"
-  timeout 240 "$PY" examples/gpt/train.py --model gpt2 --data "$DATA" --dtype bf16 --max_steps 40 \
-    --eval_every 40 --log_every 10 --sample_chars 0 --snapshot_path "$OUT/$run" \
-    --metrics_path "$OUT/$run.jsonl" "${flags[@]}" 2>&1 | tee "$OUT/$run.txt" |
-    grep -E '^(model|step [234]0/|memory per rank)' || echo "gpu-check: the $run run failed: see $OUT/$run.txt"
+  rm -rf "${OUT:?}/matrix-$run"
+  PYTHONPATH=examples/gpt timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    tests/programs/layout_matrix.py "$OUT/matrix-$run" 1 8 '{"fp32": 3, "bf16": 20, "fp16": 20}' -- \
+    "${tiny[@]}" "${flags[@]}" 2>&1 | tee "$OUT/matrix-$run.txt" | grep '^COMBO' ||
+    echo "gpu-check: the layout matrix ($run) failed: see $OUT/matrix-$run.txt"
 done
+
+if [ ! -f "$DATA/manifest.json" ]; then
+  "$PY" examples/gpt/prepare.py --out "$DATA" | tail -n 3
+fi
+mkdir -p "$OUT/runs"
+names=()
+# gpt2 NAME ARGS...: GPT-2 small for 15 steps, logged every 5; its command, log and metrics under $OUT/runs
+gpt2() {
+  local name=$1 start=$SECONDS
+  shift
+  local cmd=("$PY" examples/gpt/train.py --model gpt2 --data "$DATA" --dtype bf16 --max_steps 15
+    --log_every 5 --eval_every 15 --eval_samples 64 --sample_chars 0 --no_tensorboard
+    --snapshot_path "$OUT/runs/$name" --metrics_path "$OUT/runs/$name.jsonl" "$@")
+  rm -rf "${OUT:?}/runs/$name" "$OUT/runs/$name.jsonl"
+  printf '%q ' "${cmd[@]}" >"$OUT/runs/$name.cmd"
+  names+=("$name")
+  timeout 300 "${cmd[@]}" >"$OUT/runs/$name.txt" 2>&1 || echo "gpu-check: $name failed: see $OUT/runs/$name.txt"
+  rm -rf "${OUT:?}/runs/$name"  # its snapshot (1.5 GB)
+  echo "gpu-check: $name took $((SECONDS - start)) s"
+}
+for mode in default max-autotune-no-cudagraphs; do
+  for batch in 16 32 64; do
+    gpt2 "$mode-$batch" --batch_size "$batch" --compile --compile_mode "$mode"
+  done
+  gpt2 "$mode-16x32" --batch_size 16 --grad_accum 32 --compile --compile_mode "$mode"
+done
+"$PY" harness/gpu_table.py "$OUT/runs" "${names[@]}" | tee "$OUT/table.md"
+echo "gpu-check: $SECONDS s in all"

@@ -726,6 +726,30 @@ def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):
     assert logged["mfu_llmc"] == pytest.approx(logged["mfu"] * ratio), logged
 
 
+def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache):
+    """harness/gpu_table.py (make gpu-check's table) on a real run's metrics, steps 6 to 10, and on a copy
+    made 10 times as fast at 50 GB of peak memory: a row each with its numbers and command, and the real
+    run named the fastest under 40 GB. Mutation: the 40 GB bound dropped -> the copy is named: this fails."""
+    args = ["--max_steps", 10, "--sample_chars", 0, "--peak_tflops", 1, "--metrics_path", "small.jsonl"]
+    train(tmp_path, cache, *args)
+    records = [json.loads(line) for line in (tmp_path / "small.jsonl").read_text().splitlines()]
+    (step10,) = [dict(r) for r in records if r.get("step_ms") and r["step"] == 10]  # kept as logged
+    for r in records:
+        if "step_ms" in r:
+            r.update(step_ms=r["step_ms"] / 10, tokens_per_s=r["tokens_per_s"] * 10)
+        if "memory" in r:
+            r["memory"]["peak_bytes"] = 50e9
+    (tmp_path / "large.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name in ("small", "large"):
+        (tmp_path / f"{name}.cmd").write_text(f"train.py --run {name}")
+    proc = run([PYTHON, REPO / "harness" / "gpu_table.py", tmp_path, "small", "large"], timeout=60)
+    row = f"| small | {step10['step_ms']:.1f} | {step10['tokens_per_s']:,.0f} | "
+    assert row in proc.stdout and "`train.py --run small` |" in proc.stdout, proc.stdout
+    assert f"| {100 * step10['mfu']:.1f}% | {100 * step10['mfu_llmc']:.1f}% |" in proc.stdout, proc.stdout
+    assert "| large | " in proc.stdout and "| 47,684 | " in proc.stdout, proc.stdout  # 50e9 bytes in MiB
+    assert "fastest under 40 GB of peak memory: small," in proc.stdout, proc.stdout
+
+
 def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
     proc = run(
         [PYTHON, TRAIN, "--max_steps", "-1", "--metrics_path", "m"], timeout=120, check=False, cwd=tmp_path
