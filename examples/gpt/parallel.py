@@ -129,14 +129,14 @@ class ShareDropout(nn.Dropout):
             return super().forward(x)
 
 
-def apply_compile(model):
+def apply_compile(model, mode="default"):
     """--compile: each block's forward compiled in place, as torchtitan compiles each block, after tp and
     before FSDP. fullgraph: a graph break is an error, never a block run eagerly. The blocks share their
     code, so one compiled graph serves them all. The forward, not the module (block.compile() would trace
     its hooks): FSDP's all-gathers, which dynamo never traces, run around the graph; and the parameters keep
     their names, so snapshots load across compiled and eager runs."""
     for block in model.blocks.values():
-        block.forward = torch.compile(block.forward, fullgraph=True)
+        block.forward = torch.compile(block.forward, fullgraph=True, mode=mode)
 
 
 def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
@@ -310,7 +310,7 @@ def parallelize(model, layout, args, device, param_dtype=None):
     apply_ac(model, args.ac, args.ac_every)
     if layout.world == 1:
         if args.compile:
-            apply_compile(model)
+            apply_compile(model, args.compile_mode)
         materialise(model, device, args.seed)
         return Parallel(model, model, layout, None)
     mesh = build_mesh(layout, device)
@@ -319,7 +319,7 @@ def parallelize(model, layout, args, device, param_dtype=None):
     if layout.tp > 1:
         apply_tp(model, mesh)
     if args.compile:
-        apply_compile(model)
+        apply_compile(model, args.compile_mode)
     # replicas beside tp or pp are HSDP's (FSDP2 with dp_shard 1): DDP takes no DTensors, nor a pipeline
     # schedule's micro-batches
     sharded = layout.dp_shard > 1 or (layout.dp_replicate > 1 and (layout.tp > 1 or layout.pp > 1))
