@@ -282,7 +282,7 @@ bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce
 
 
 gpu-check: $(ENV) ## on a GPU machine: the GPU tests, the layout matrix on NCCL, GPT-2 small compiled
-	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) harness/gpu_check.sh
+	PY=$(PY) OUT=$(RUNS)/gpu-check DATA=$(GPT_DATA) $(if $(PARTS),PARTS='$(PARTS)') harness/gpu_check.sh
 
 # LOAD=N: the tests beside N busy processes (harness/busy.py), as on a machine shared with other jobs
 LOAD ?=
