@@ -87,10 +87,12 @@ def attention_kernel(cfg, device, dtype, dropout):
     """The kernel attend() runs in training, by name, found by running attention once on one sequence of
     cfg's shape as attend() does: each fused kernel has a backward of its own, named after it (for example
     ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made of ordinary operations."""
-    q = torch.randn(1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head, device=device, dtype=dtype)
-    q.requires_grad_(True)
-    with sdpa_kernel(attention_backends(device), set_priority=True):
-        y = F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    shape = (1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+    # its random numbers (and dropout's) from a copy of the random state: training's streams stay as they were
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        with sdpa_kernel(attention_backends(device), set_priority=True):
+            y = F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
     fused = re.fullmatch(r"ScaledDotProduct(\w+)Backward\d+", type(y.grad_fn).__name__)
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", fused.group(1)).lower() if fused else "math"
 
