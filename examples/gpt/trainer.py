@@ -176,9 +176,8 @@ class Trainer:
             if len(chunk):
                 loss_sum += loss.double() * len(chunk)
                 count += len(chunk)
-        totals = torch.stack(
-            [loss_sum, loss_sum.new_tensor(count)]
-        )  # one copy to the device, not one a batch
+        # the count goes to the device once, not once a batch
+        totals = torch.stack([loss_sum, loss_sum.new_tensor(count)])
         if dist.is_initialized():  # the processes of one share (tp, pp) add the same terms: the mean holds
             dist.all_reduce(totals)
         self.parallel.train(True)
