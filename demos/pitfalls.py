@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 PITFALLS = Path(__file__).resolve().parent.parent / "examples" / "pitfalls"
-LIMIT = 60  # seconds: every pitfall bounds its own waits well below this
+LIMIT = 120  # seconds: every pitfall bounds its own waits below this
 
 
 def run(script, fixed):

@@ -50,8 +50,8 @@ def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name)
     proc, results = report
     result, (cause, seen) = results[name], EXPECTED[name]
     broken, fixed = result["broken"], result["fixed"]
-    assert broken["code"] not in (0, None), broken  # None: still running after demos/pitfalls.py's 60 s
-    assert broken["seconds"] < 60 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
+    assert broken["code"] not in (0, None), broken  # None: still running after demos/pitfalls.py's 120 s
+    assert broken["seconds"] < 120 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
     assert any(seen in line for line in broken["lines"]), broken["lines"][-10:]
     shown = proc.stdout.split(f"{name} ", 1)[1].splitlines()[0]
     if name in NEEDS_GPUS:
