@@ -91,6 +91,7 @@ def apply_tp(model, mesh):
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     parallelize_module(model, tp, present(model, root_plan))
+    model.loss_chunk = None  # the loss on the logits split over the vocabulary (loss_parallel), not in chunks
     if model.head is not None and model.tok_emb is not None:
         model.head.weight = model.tok_emb.weight  # both split by the vocabulary, alike: one matrix again
     for module in list(model.modules()):
