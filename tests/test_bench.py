@@ -4,11 +4,13 @@ and its place in the report are checked without training.
 
 Budget: one bench run of 3 trainings of 2 epochs of 64 samples. Measured back to back on 2 cores at load
 average 10 to 15 (a CI run beside it): this file 85 s of wall time and 22 s of CPU time; the whole harness of
-8 trainings it ran before, 217 s and 67 s.
+8 trainings it ran before, 217 s and 67 s. loss_memory.py's brief run (4 processes): 49 s of wall time at load
+average 5 to 8, 23 s of CPU time.
 """
 
 import json
 import math
+import re
 
 import lessons as bench  # benchmarks/lessons.py (conftest puts benchmarks/ on sys.path)
 import link  # benchmarks/link.py
@@ -156,3 +158,25 @@ def test_every_variant_starts_its_ranks_and_has_its_rows():
     table = bench.markdown(summary, settings, {**machine, "cores": 2, "gpus": [], "backend": "gloo"})
     for name in VARIANTS + RATIOS:
         assert f"\n| {name} | " in table, name
+
+
+# ---- benchmarks/loss_memory.py ---------------------------------------------------------------------------
+# a row of its table: dtype, the two peaks (MiB), the seconds, the two losses
+ROW_RE = re.compile(r"^\| (fp32|bf16) \| ([\d,]+) \| ([\d,]+) \| [\d. /]+ \| ([\d.]+) / ([\d.]+) \|$", re.M)
+
+
+def test_the_loss_in_chunks_never_holds_the_float32_logits():
+    """loss_memory.py, briefly (4096 positions, a vocabulary of 4000, width 16, chunks of 256): in float32
+    and under bf16 autocast the chunked loss's peak stays below the float32 logits' size (63 MiB) and the
+    whole logits' peak reaches twice it (their float32 copy and its log-softmax); the two losses agree.
+    Mutation: --chunk 4096 (one chunk: the whole logits at once): the chunks' peak passes 63 MiB and this
+    fails."""
+    cmd = [PYTHON, REPO / "benchmarks" / "loss_memory.py", "--vocab", 4000, "--tokens", 4096, "--width", 16]
+    proc = run([*cmd, "--chunk", 256], timeout=600)
+    logits_mib = 4096 * 4032 * 4 / 2**20
+    rows = {dtype: row for dtype, *row in ROW_RE.findall(proc.stdout)}
+    assert set(rows) == {"fp32", "bf16"}, proc.stdout
+    for dtype, (whole, chunks, whole_loss, chunks_loss) in rows.items():
+        whole, chunks = (float(v.replace(",", "")) for v in (whole, chunks))
+        assert chunks < logits_mib < 2 * logits_mib < whole, (dtype, chunks, whole)
+        assert abs(float(whole_loss) - float(chunks_loss)) < 1e-4, (dtype, whole_loss, chunks_loss)

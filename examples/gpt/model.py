@@ -164,6 +164,12 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
         if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
             self.head.bias.requires_grad_(False)
+        # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits split over
+        # the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss computed on that split
+        self.loss_chunk = 1024
+        # a pipeline's last stage sets it (parallel.split_stage): forward then stops at the final norm, and
+        # the schedule's loss function applies the head (head_loss), so its loss is chunked too
+        self.stop_before_head = False
         # no initialisation here: the model is usually built on the meta device, and each process then
         # fills in its own part of every parameter (parallel.materialise, with initial_value below)
 
@@ -174,15 +180,26 @@ class GPT(nn.Module):
                 param.copy_(initial_value(name, param.shape, self.cfg, seed))
 
     def forward(self, idx, targets=None):
-        """Logits (batch, length, vocab); with targets, (logits, the mean cross-entropy over all positions).
-        A pipeline stage's module maps what it receives to what it sends on (layers)."""
-        logits = self.layers(idx)
-        return logits if targets is None else (logits, cross_entropy(logits, targets))
+        """Logits (batch, length, vocab); with targets, (None, the mean cross-entropy over all positions):
+        the loss is computed from the final norm's output (head_loss), never from whole logits. A pipeline
+        stage's module maps what it receives to what it sends on (layers)."""
+        x = self.layers(idx)
+        if self.head is None or self.stop_before_head:
+            return x
+        if targets is None:
+            return self.head(x)
+        return None, self.head_loss(x, targets)
+
+    def head_loss(self, x, targets):
+        """The mean cross-entropy of the head's logits of x (the final norm's output) against targets."""
+        if self.loss_chunk is None:
+            return cross_entropy(self.head(x), targets)
+        return chunked_cross_entropy(x, self.head.weight, self.head.bias, targets, self.loss_chunk)
 
     def layers(self, x):
-        """Token ids through every part this module holds, in order: the whole model maps them to logits. A
-        pipeline stage (parallel.split_stage) holds some blocks and sets the parts it lacks to None: it maps
-        what the stage before it sends to what the next one receives."""
+        """Token ids through every part this module holds, in order: the whole model maps them to the final
+        norm's output. A pipeline stage (parallel.split_stage) holds some blocks and sets the parts it lacks
+        to None: it maps what the stage before it sends to what the next one receives."""
         if self.pos_emb is not None:  # the first stage (the last one keeps tok_emb only as the head)
             length = x.shape[1]
             if length > self.cfg.block_size:
@@ -192,7 +209,7 @@ class GPT(nn.Module):
             x = self.dropout(tokens.float() + positions.float())
         for block in self.blocks.values():
             x = block(x)
-        return x if self.head is None else self.head(self.ln_f(x))
+        return x if self.ln_f is None else self.ln_f(x)
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, **kwargs):
@@ -261,6 +278,57 @@ def init_buffers(model):
 def cross_entropy(logits, targets):
     """The mean loss over all positions, computed in float32 whatever the autocast type."""
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def chunked_cross_entropy(x, weight, bias, targets, chunk):
+    """cross_entropy(F.linear(x, weight, bias), targets), `chunk` positions at a time: only one chunk's
+    logits, and their float32 copy, exist at once."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    return ChunkedCrossEntropy.apply(x, weight, bias, targets, chunk, torch.is_grad_enabled())
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The head and the loss, one chunk of positions at a time, as Liger-Kernel's fused linear
+    cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax minus the
+    target's one-hot, for the sum of the chunk's losses) and from it the gradients of x, the weight and a
+    bias that trains; backward only scales them. No logits are kept for backward nor recomputed there."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, chunk, grad_enabled):
+        # inside forward grad mode is always off: whether gradients are wanted is read before (grad_enabled)
+        wants = [grad_enabled and needed for needed in ctx.needs_input_grad[:3]]
+        grad_x = torch.zeros_like(x) if wants[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
+        total = torch.zeros((), device=x.device)
+        for start in range(0, len(targets), chunk):
+            xs, ts = x[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(xs, weight, bias)  # bf16 under autocast, as the whole head's
+            log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+            total -= log_probs.gather(1, ts[:, None]).sum()
+            if not any(wants):
+                continue
+            # the gradient of the chunk's summed loss by its logits, in place of the log-probabilities
+            grad = log_probs.exp_()
+            grad[torch.arange(len(ts), device=ts.device), ts] -= 1
+            grad = grad.to(logits.dtype)  # the matmuls below in the head's type (autocast's bf16)
+            if grad_x is not None:
+                grad_x[start : start + chunk] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += grad.T @ xs
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+        ctx.count = len(targets)
+        ctx.save_for_backward(grad_x, grad_weight, grad_bias)
+        return total / len(targets)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own gradient (a
+        # gradient scaler's factor), in place: backward runs once. autograd casts each to its input's type
+        scale = grad_loss / ctx.count
+        grads = [None if g is None else g.mul_(scale) for g in ctx.saved_tensors]
+        return *grads, None, None, None
 
 
 def parameter_count(model, non_embedding=True):

@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from ac import apply_ac
-from model import cross_entropy, generate, init_buffers, initial_value, own_stream
+from model import generate, init_buffers, initial_value, own_stream
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -54,6 +54,8 @@ def split_stage(model, mesh):
             model.tok_emb = None
     if stage < stages - 1:
         model.ln_f = model.head = None
+    else:  # the schedule's loss function applies the head (Pipeline): its loss in chunks, as in one process
+        model.stop_before_head = True
 
 
 def apply_tp(model, mesh):
@@ -91,6 +93,7 @@ def apply_tp(model, mesh):
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     parallelize_module(model, tp, present(model, root_plan))
+    model.loss_chunk = None  # the loss on the logits split over the vocabulary (loss_parallel), not in chunks
     if model.head is not None and model.tok_emb is not None:
         model.head.weight = model.tok_emb.weight  # both split by the vocabulary, alike: one matrix again
     for module in list(model.modules()):
@@ -362,7 +365,8 @@ class Pipeline(Parallel):
 
         stage.backward_maybe_with_nosync = backward_then_count
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
-        self.schedule = schedule(stage, args.pp_microbatches, loss_fn=cross_entropy)
+        # the last stage's module ends at the final norm: the head and the loss together, in chunks (model.py)
+        self.schedule = schedule(stage, args.pp_microbatches, loss_fn=module.head_loss)
         # the first and the last stage each hold a copy of the token embedding, which is also the head: one
         # group per such pair (every process creates every group, in the same order)
         self.tied = None
@@ -404,7 +408,8 @@ class Pipeline(Parallel):
 
     @torch.no_grad()
     def _forward(self, x, shape):
-        """Token ids (first stage) through every stage; the last stage's output, elsewhere None."""
+        """Token ids (first stage) through every stage; the last stage's output (its final norm's), elsewhere
+        None."""
         if not self.first:
             batch, length = shape
             if self.layout.tp > 1:  # sequence parallel: this process's share of the positions, as Shard(1)
@@ -422,7 +427,7 @@ class Pipeline(Parallel):
         """The mean loss of one batch without a backward pass; every stage gets it."""
         out = self._forward(x, y.shape)
         with self.loss_context():
-            loss = None if out is None else local(cross_entropy(out, y))
+            loss = None if out is None else local(self.module.head_loss(out, y))
         return self._from_last(loss, y.device)
 
     def logits(self, idx):
@@ -430,8 +435,8 @@ class Pipeline(Parallel):
         idx, at = self.padded(idx)
         out = self._forward(idx, idx.shape)
         last = torch.empty(idx.shape[0], 1, self.module.cfg.padded_vocab, device=idx.device)
-        if out is not None:
-            last.copy_(whole(out[:, at : at + 1]).float())
+        if out is not None:  # the final norm's output
+            last.copy_(whole(self.module.head(out)[:, at : at + 1]).float())
         dist.broadcast(last, self.ranks[-1], group=self.group)
         return last
 
