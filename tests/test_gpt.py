@@ -461,12 +461,36 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_identical(tmp_path, cache
         assert_identical(state, resumed["optimizer"]["state"][name])
 
 
-# torchrun forwards SIGTERM (Slurm's scancel or --signal, a Kubernetes eviction) to its workers
+# torchrun forwards SIGTERM (Slurm's scancel or --signal, a Kubernetes eviction) and SIGINT (Ctrl-C in its
+# terminal, which reaches torchrun alone: its workers run in sessions of their own) to its workers
 PREEMPTED = [*TINY, "--max_steps", 60, "--save_every", 1000, "--batch_size", 8, "--dropout", 0.1]
 PREEMPTED += ["--log_every", 1, "--sample_chars", 0, "--metrics_path", "m.jsonl"]
+STOPPED_RE = re.compile(
+    r"^stopped by (SIGTERM|Ctrl-C) before step (\d+), saved in gpt_snapshot: the same command resumes$", re.M
+)
 
 
-def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
+def stop_when_training(cmd, cwd, signum, delay):
+    """Start cmd, send signum once its first step is logged and `delay` seconds more have passed: (the exit
+    status, the output, the seconds from the signal to the exit)."""
+    agent = start_torchrun_agent(cmd, cwd, env={"OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (cwd / "m.jsonl").exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "no step within 300 s"
+            time.sleep(0.01)
+        time.sleep(delay)
+        agent.send_signal(signum)
+        start = time.monotonic()
+        out, _ = agent.communicate(timeout=60)
+        return agent.returncode, out, time.monotonic() - start
+    finally:
+        agent.kill()
+
+
+def test_sigterm_or_ctrl_c_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
+    """SIGTERM and Ctrl-C, in turn, at a random moment of five runs on 2 processes; mutations: the
+    trainer's save on a stop request removed, or SIGINT left to Python's KeyboardInterrupt: both fail."""
     (tmp_path / "full").mkdir()
     train(tmp_path / "full", cache, *PREEMPTED, nproc=2)
     full = saved(tmp_path / "full")
@@ -475,30 +499,36 @@ def test_sigterm_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical
     for trial in range(5):  # a random moment in each: within a step, its checks, a log line, an evaluation
         cwd = tmp_path / f"trial{trial}"
         cwd.mkdir()
-        agent = start_torchrun_agent(cmd, cwd, env={"OMP_NUM_THREADS": "1"})
-        try:
-            deadline = time.monotonic() + 300
-            while not (cwd / "m.jsonl").exists():
-                assert agent.poll() is None and time.monotonic() < deadline, "no step within 300 s"
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0, 0.5))
-            agent.send_signal(signal.SIGTERM)  # to torchrun alone, as Kubernetes and Slurm send it
-            start = time.monotonic()
-            out, _ = agent.communicate(timeout=60)
-            seconds = time.monotonic() - start
-        finally:
-            agent.kill()
-        stopped = re.search(r"^stopped by SIGTERM before step (\d+); the same command resumes$", out, re.M)
-        assert stopped, out[-3000:]
-        step = int(stopped[1]) - 1
-        print(f"trial {trial}: SIGTERM at step {step}, saved and exited in {seconds:.2f} s")
-        assert saved(cwd)["step"] == step, out[-3000:]  # (torchrun's own traceback names the signal)
+        signum = (signal.SIGTERM, signal.SIGINT)[trial % 2]
+        _, out, seconds = stop_when_training(cmd, cwd, signum, rng.uniform(0, 0.5))
+        stopped = STOPPED_RE.search(out)
+        assert stopped and stopped[1] == preempt_name(signum), out[-3000:]
+        assert "KeyboardInterrupt" not in out, out[-3000:]  # (torchrun's own traceback names the signal)
+        step = int(stopped[2]) - 1
+        print(f"trial {trial}: {stopped[1]} at step {step}, saved and exited in {seconds:.2f} s")
+        assert saved(cwd)["step"] == step, out[-3000:]
         proc = train(cwd, cache, *PREEMPTED, nproc=2)
         assert f"resuming from gpt_snapshot at step {step} (step-" in proc.stdout, proc.stdout[-2000:]
         resumed = saved(cwd)
         assert_identical(full["model"], resumed["model"])
         for name, state in full["optimizer"]["state"].items():
             assert_identical(state, resumed["optimizer"]["state"][name])
+
+
+def test_ctrl_c_in_one_process_saves_and_ends_in_two_lines_without_a_traceback(tmp_path, cache):
+    """python train.py alone: Ctrl-C says at once that it saves, then where it saved; exit status 0, no
+    KeyboardInterrupt. Mutation: SIGINT left to Python -> a traceback and no snapshot: fails."""
+    cmd = [PYTHON, TRAIN, "--cache_dir", cache, *PREEMPTED]
+    code, out, _ = stop_when_training(cmd, tmp_path, signal.SIGINT, 0.2)
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    stopped = STOPPED_RE.search(out)
+    assert stopped and stopped[1] == "Ctrl-C", out[-3000:]
+    assert "Ctrl-C: saving at the next log step" in out, out[-3000:]
+    assert saved(tmp_path)["step"] == int(stopped[2]) - 1
+
+
+def preempt_name(signum):
+    return import_gpt_module("preempt").NAMES[signum]
 
 
 class RunsCode:

@@ -53,7 +53,7 @@ def main():
         parser.error(str(exc))
     except checkpoint.SnapshotError as exc:
         failure.fail(f"error: {exc}")
-    stop = preempt.StopRequest()  # from here on SIGTERM ends the run at a step's boundary, saved
+    stop = preempt.StopRequest()  # from here on SIGTERM or Ctrl-C ends the run at a step's boundary, saved
     hang.record(args.snapshot_path)  # every collective in torch's flight recorder, read on a timeout
     try:
         rank, world, device = setup_processes(args.dist_timeout)

@@ -220,7 +220,9 @@ class Trainer:
                 if save.take(loss_ok) or (stopping and loss_ok):
                     clock += self.save(rng)
                 if stopping and loss_ok:
-                    self.log(f"stopped by SIGTERM before step {self.step + 1}; the same command resumes")
+                    why = stop.name or "a signal to another process"
+                    self.log(f"stopped by {why} before step {self.step + 1}, saved in {a.snapshot_path}: "
+                             "the same command resumes")  # fmt: skip
                     history.dump()
                     return False
             self.update(verdict)
