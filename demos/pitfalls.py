@@ -74,16 +74,20 @@ def main(argv=None):
     if unknown:
         parser.error(f"no such pitfall: {', '.join(unknown)} (known: {', '.join(known)})")
     results = []
+    print("Each pitfall runs broken (it fails, naming its cause), then with --fixed (it succeeds).")
+    print(f"{'pitfall':22} | {'broken run':22} | {'what it showed':90} | --fixed", flush=True)
     for name in args.names or known:
         result = check(name)
         results.append(result)
         broken, fixed = result["broken"], result["fixed"]
-        ended = "no end" if broken["code"] is None else f"exit {broken['code']}, {broken['seconds']} s"
+        reproduced = broken["code"] not in (0, None) and result["cause"]
+        ended = f"reproduced in {broken['seconds']} s" if reproduced else "NOT reproduced"
+        ended = f"NO END in {LIMIT} s" if broken["code"] is None else ended
         seen = result["seen"] if len(result["seen"]) <= 90 else result["seen"][:87] + "..."
         done = f"fixed: {'yes' if fixed['code'] == 0 else 'no'} ({fixed['seconds']} s)"
         if result["needs_gpus"]:
             done = "fixed: needs GPUs"
-        print(f"{name:22} | {ended:16} | {seen or '-':90} | {done}", flush=True)
+        print(f"{name:22} | {ended:22} | {seen or '-':90} | {done}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1

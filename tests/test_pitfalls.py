@@ -54,6 +54,7 @@ def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name)
     assert broken["seconds"] < 120 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
     assert any(seen in line for line in broken["lines"]), broken["lines"][-10:]
     shown = proc.stdout.split(f"{name} ", 1)[1].splitlines()[0]
+    assert proc.stdout.startswith("Each pitfall runs broken") and "| reproduced in " in shown, shown
     if name in NEEDS_GPUS:
         assert fixed["code"] == 2 and fixed["lines"][-1].endswith(NEEDS_GPUS[name]), fixed["lines"][-5:]
         assert "fixed: needs GPUs" in shown, shown
