@@ -11,12 +11,14 @@ multinode and multigpu_accelerate. --sync_bn (GPUs only): BatchNorm's statistics
 not each process's share of it (examples/pitfalls/batchnorm_stats.py shows the difference).
 """
 
+import argparse
 import ast
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import TensorDataset
 from torchvision.models import resnet18
 
@@ -35,8 +37,20 @@ def load_train_objs(args):
 
 
 def usage(message):
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        sys.exit(0)  # under torchrun every process meets it: local rank 0 says why, the others end quietly
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        try:
+            refuse(message)
+        except argparse.ArgumentError:
+            sys.exit(2)
     print(f"usage: {sys.argv[0]} [--sync_bn] LESSON.py ARGS...\nerror: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+@record  # as the lessons' refusals: said once, as the error in torchrun's closing summary
+def refuse(message):
+    raise argparse.ArgumentError(None, message)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The vision workload: ResNet-18 on synthetic images."""
 
-from conftest import EXAMPLES, PYTHON, TrainLog, example_cmd, load_snapshot, run
+from conftest import EXAMPLES, PYTHON, TORCHRUN, TrainLog, example_cmd, load_snapshot, run
 
 TINY = ["--batch_size", "4", "--momentum", "0.9"]
 
@@ -35,4 +35,17 @@ def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
     proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert "error: --sync_bn needs GPUs: SyncBatchNorm does not run on the CPU" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_under_torchrun_its_refusals_are_said_once_as_torchruns_closing_error(tmp_path):
+    """As the lessons' refusals: local rank 0 records it for torchrun's summary, which ends with it; the
+    other process ends quietly; nothing trains or is written. Mutation: usage() as it is without torchrun ->
+    the message twice (each process prints it) and no ArgumentError in the summary: fails."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", EXAMPLES / "vision.py", "--sync_bn"]
+    proc = run([*cmd, EXAMPLES / "multigpu_torchrun.py", 1, 1], timeout=120, check=False, cwd=tmp_path)
+    message = "--sync_bn needs GPUs: SyncBatchNorm does not run on the CPU"
+    assert proc.returncode != 0 and proc.stdout.count(message) == 1, proc.stdout[-3000:]
+    last = proc.stdout.strip().splitlines()[-3:]
+    assert last[0].strip() == f"argparse.ArgumentError: {message}" and last[-1].startswith("====="), last
     assert not list(tmp_path.iterdir())
