@@ -80,8 +80,10 @@ class Process:
         found = zip(self.times, map(pattern.search, self.lines), strict=False)
         return next(((t, m) for t, m in found if m and t > since), None)
 
-    def kill(self):
-        """SIGKILL torchrun and its worker together, as a lost node loses both."""
+    def kill(self, say=False):
+        """SIGKILL torchrun and its worker together, as a lost node loses both; say: as a line, now."""
+        if say:
+            print(f"[demo] SIGKILL to {self.name} and its processes, as when its node is lost", flush=True)
         if self.proc.poll() is None:  # torchrun starts its worker in a session of its own: kill both
             for process in [*psutil.Process(self.proc.pid).children(recursive=True), self.proc]:
                 process.send_signal(signal.SIGKILL)
@@ -191,14 +193,14 @@ def main():
             wait_until(f"epoch {args.kill_epoch} of all groups together", together, deadline)
         if args.kill:
             killed = time.monotonic()
-            starts[last][0].kill()
+            starts[last][0].kill(say=True)
             wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
             if args.kill_joining:  # killed again as it takes the live state: when the survivor serves it
                 joining = group(last)
                 starts[last].append(joining)
                 wait_until("the state served", lambda: survivor.first(HEAL, joining.started), deadline)
                 killed = time.monotonic()
-                joining.kill()
+                joining.kill(say=True)
                 wait_until(f"{args.alone} epochs without group {last}", alone(killed), deadline)
             starts[last].append(group(last))
             ended = survivor.proc.poll
@@ -210,7 +212,7 @@ def main():
                     f"group0 logged epoch {epoch} at world size {size}, {when - killed:.1f} s after the kill"
                 )
         if args.restart_lighthouse:
-            house.kill()
+            house.kill(say=True)
             time.sleep(args.down)
             house = lighthouse()
             for n in starts:  # the groups stop at their quorum timeout; started again, they resume

@@ -68,6 +68,8 @@ def test_a_killed_group_heals_from_its_live_peer_which_waits_for_it(tmp_path):
     assert any("took the live state at step" in figure for figure in account["figures"])
     # shown: every 10th epoch line and each change of world size; all of them in the account's JSON
     assert "[group0] epoch 10/12 " in result.stdout and "[group0] epoch 5/12 " not in result.stdout
+    # the kills said as they happen, between the epoch lines around them
+    assert result.stdout.count("[demo] SIGKILL to group1 and its processes, as when its node is lost") == 2
 
 
 def test_a_group_back_after_the_others_ended_is_told_it_had_nobody_to_heal_from(tmp_path):
