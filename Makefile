@@ -32,8 +32,9 @@ PY := $(VENV)/bin/python
 TORCHRUN := $(PY) -m torch.distributed.run
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
-# $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too)
-step = mkdir -p $(RUNS)/$@ && $(PYTHON3) harness/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
+# $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too);
+# not echoed: steps.py prints the command it runs, the one to copy
+step = @mkdir -p $(RUNS)/$@ && $(PYTHON3) harness/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
   $(if $(RDZV_PORT),--port $(RDZV_PORT)) $(if $(VISION),--vision) --python '$(PY)' -- $(TRAIN_ARGS)
 STEPS := single_gpu multigpu multigpu_torchrun multinode
 # $(call retry,COMMAND): up to three tries, for downloads through a flaky network.

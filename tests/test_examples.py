@@ -208,6 +208,20 @@ def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
         assert losses == pytest.approx([float(first), float(second)], rel=1e-5, abs=0), (script, options)
 
 
+def test_make_prints_the_command_it_runs_which_trains_when_copied(tmp_path):
+    """make torchrun hides its own recipe (python3 harness/steps.py ...): the first line is the torchrun
+    command it runs, and that line, pasted into a shell at the repository root, runs the same training (here
+    it resumes the finished run). Mutation: steps.py's print removed -> the first line is rank 0's: fails."""
+    make = ["make", "--no-print-directory", "-C", REPO, "torchrun", "EPOCHS=1", f"RUNS={tmp_path}"]
+    out = run([*make, f"VENV={VENV}", "ARGS=--dataset_size 64"], timeout=300).stdout
+    first = out.splitlines()[0]
+    assert "steps.py" not in out and " examples/multigpu_torchrun.py 1 " in first, out[:2000]
+    torchrun = f"OMP_NUM_THREADS=1 {VENV}/bin/python -m torch.distributed.run --standalone "
+    assert first.startswith(torchrun), first
+    again = run(["bash", "-c", first], timeout=300, cwd=REPO).stdout
+    assert f"resuming from {tmp_path}/torchrun/snapshot.pt: 1 epochs already run" in again, again[-2000:]
+
+
 def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     make = ["make", "-C", REPO, "multinode", "EPOCHS=3", f"RUNS={tmp_path}", f"VENV={VENV}"]
     make.append(f"RDZV_PORT={free_port()}")
