@@ -29,7 +29,8 @@ VENV ?= .venv
 PYTHON3 ?= python3
 
 PY := $(VENV)/bin/python
-TORCHRUN := $(PY) -m torch.distributed.run
+# one thread a process unless set: torchrun's own default, said here so that its 4-line banner does not print
+TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run
 ENV := $(VENV)/.installed
 TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
 # $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too);

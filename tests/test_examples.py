@@ -236,6 +236,20 @@ def test_make_multinode_trains_on_two_local_nodes(tmp_path):
     assert "OMP_NUM_THREADS" not in proc.stdout, proc.stdout[:2000]
 
 
+# every place that starts torchrun for a user (the k8s overlays and compose's other files take these bases)
+TORCHRUN_LAUNCHERS = ["Makefile", "harness/steps.py", "compose/compose.yaml", "compose/torchft.yaml"]
+TORCHRUN_LAUNCHERS += ["examples/slurm/sbatch_run.sh", "k8s/job/job.yaml", "k8s/trainjob/trainjob.yaml"]
+
+
+@pytest.mark.parametrize("path", TORCHRUN_LAUNCHERS)
+def test_every_torchrun_launcher_sets_one_thread_a_process(path):
+    """torchrun's own default, set where it starts so that its 4-line OMP_NUM_THREADS banner opens no run
+    (make multinode's output is checked above; k8s's values equal compose's in test_k8s). Mutation: the
+    setting removed from one file: that case fails."""
+    text = (REPO / path).read_text()
+    assert re.search(r'OMP_NUM_THREADS(=\$+\{OMP_NUM_THREADS:-1\}|", "1"|: "1"|\n\s+value: "1")', text), path
+
+
 def test_torchruns_static_form_trains_two_local_nodes_and_ends_without_a_traceback(tmp_path):
     """docs/lessons.md's other form, `--node-rank N --master-addr A --master-port P`, on two local nodes of
     2 processes, 3 times (each in a folder of its own): both nodes exit 0, node 1 holds global ranks 2 and

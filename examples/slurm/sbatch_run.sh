@@ -87,6 +87,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit before it kills them
 # (its default: 30 s); within the 120 s that --signal gives before the time limit.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+# One thread a process, torchrun's own default, set so that torchrun does not print its 4-line banner
+# (raise it for processes that compute on the CPU).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # One task per node, whatever --ntasks-per-node the job was given; the step gets the job's CPUs per task
 # explicitly, since srun does not take them from the job on every Slurm version.
