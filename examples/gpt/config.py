@@ -96,11 +96,12 @@ class Layout:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, whose errors under torchrun are said once, last: in torchrun's closing summary."""
+    """argparse, whose errors are the last line a user sees: under torchrun said once, in torchrun's closing
+    summary; alone after one line of usage, not the whole list of options."""
 
     def error(self, message):
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-            super().error(message)  # usage, the message, exit status 2
+            self.exit(2, f"usage: {self.prog} [options] (--help lists them)\n{self.prog}: error: {message}\n")
         failure.refuse(self.prog, message)
 
 
