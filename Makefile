@@ -291,7 +291,8 @@ LOAD ?=
 LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
 # JOBS=N: test files run N at a time (pytest-xdist), each file whole on one worker; JOBS=0: one process
 JOBS ?= 2
-PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile
+# whole files to each worker, in the order tests/conftest.py gives them (the longest first)
+PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
 test: $(ENV) ## run the test suite (about 45 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 

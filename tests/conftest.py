@@ -354,6 +354,21 @@ def load_snapshot(path):
 # ---- session hooks: the bound of each test, processes left alive, skips that CI does not allow ----
 
 
+# The files that take minutes, longest first (2 cores, 2026-11-29): make test hands whole files to its two
+# workers in this order (--dist loadfile --no-loadscope-reorder), so the longest start at once and short ones
+# fill the end; pytest-xdist's own order, by number of tests, puts files of few long tests (the layout
+# matrix: 2 tests, about 12 minutes) last.
+LONGEST_FIRST = ["test_docker", "test_gpt", "test_gpt_layouts", "test_fault_tolerance", "test_torchft"]
+LONGEST_FIRST += ["test_gpt_model_parallel", "test_pitfalls", "test_gpt_compile", "test_gpt_sharding"]
+LONGEST_FIRST += ["test_readme", "test_examples", "test_slurm", "test_ray", "test_gpt_memory"]
+LONGEST_FIRST += ["test_gpt_data"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {f"{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
 def pytest_configure(config):
     """Mark the session, once: pytest-xdist's workers keep the mark of the session that started them, so that
     one check at its end finds a process that any worker's tests left."""
