@@ -293,7 +293,7 @@ LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
 JOBS ?= 2
 # whole files to each worker, in the order tests/conftest.py gives them (the longest first)
 PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
-test: $(ENV) ## run the test suite (about 45 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
+test: $(ENV) ## run the test suite (about 75 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
 QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
