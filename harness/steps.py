@@ -94,8 +94,8 @@ def run(commands, gpus=0):
     # restarts (--max-restarts) need a fresh rendezvous store per round, not the agent's shared one
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if len(commands) == 1:
-        threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
-        print(f"{threads}{shlex.join(commands[0])}", flush=True)  # the command to copy (make hides its own)
+        omp = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
+        print(f"{omp}{shlex.join(commands[0])}", flush=True)  # the command to copy (make hides its own)
         return subprocess.call(commands[0], env=env)
     procs, threads = [], []
     for node, (cmd, devices) in enumerate(zip(commands, gpu_split(gpus, len(commands)), strict=True)):

@@ -27,3 +27,8 @@ class StopRequest:
 
     def __bool__(self):
         return self.name is not None
+
+    def said(self, step, path):
+        """The last line once saved: which stop (another process's, when this one got none) and where."""
+        why = self.name or "a signal to another process"
+        return f"stopped by {why} before step {step}, saved in {path}: the same command resumes"

@@ -220,9 +220,7 @@ class Trainer:
                 if save.take(loss_ok) or (stopping and loss_ok):
                     clock += self.save(rng)
                 if stopping and loss_ok:
-                    why = stop.name or "a signal to another process"
-                    self.log(f"stopped by {why} before step {self.step + 1}, saved in {a.snapshot_path}: "
-                             "the same command resumes")  # fmt: skip
+                    self.log(stop.said(self.step + 1, a.snapshot_path))
                     history.dump()
                     return False
             self.update(verdict)
