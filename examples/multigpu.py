@@ -89,8 +89,10 @@ def get_args(parser):
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
-        if getattr(args, key) <= 0:
-            parser.error(f"{key} must be positive, got {getattr(args, key)}")
+        if not 0 < getattr(args, key) < float("inf"):  # nan fails this too
+            parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
+    if not 0 <= args.momentum < float("inf"):
+        parser.error(f"momentum must be 0 or more and finite, got {args.momentum}")
     return args
 
 
@@ -124,12 +126,22 @@ def load_snapshot(path, model, optimizer, device):
     return snapshot["EPOCHS_RUN"]
 
 
+def stopped(path):
+    """Ctrl-C: one process says what the same command resumes from (exit status 130)."""
+    if os.environ.get("RANK", "0") == "0":
+        where = f"resumes from {path}" if os.path.exists(path) else "starts again (none saved)"
+        print(f"stopped by Ctrl-C: the same command {where}", file=sys.stderr)
+    sys.exit(130)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
     args = get_args(parser)
-    if args.nproc < 1 or args.nproc > (torch.cuda.device_count() or args.nproc):
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > (torch.cuda.device_count() or args.nproc):
         parser.error(f"--nproc must be between 1 and the number of GPUs, got {args.nproc}")
     try:
         store = dist.TCPStore("localhost", int(os.environ.get("MASTER_PORT", 0)), is_master=True)
@@ -138,3 +150,5 @@ if __name__ == "__main__":
         parser.error(f"MASTER_PORT={os.environ['MASTER_PORT']} is taken: unset it to use a free port")
     except mp.ProcessExitedException as exc:
         sys.exit(exc.exit_code)  # the process said why
+    except KeyboardInterrupt:
+        stopped(args.snapshot_path)

@@ -99,6 +99,8 @@ def main():
         # torchft's bounded waits: say what they waited for
         where = f"no quorum of {args.min_replicas} at {args.lighthouse}: {args.timeout:g} s"
         sys.exit(f"error: {exc!r}\n{where}")
+    except KeyboardInterrupt:
+        stopped(args.snapshot_path)
 
 
 def refuse(message):
@@ -117,8 +119,10 @@ def get_args(parser):
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
-        if getattr(args, key) <= 0:
-            parser.error(f"{key} must be positive, got {getattr(args, key)}")
+        if not 0 < getattr(args, key) < float("inf"):  # nan fails this too
+            parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
+    if not 0 <= args.momentum < float("inf"):
+        parser.error(f"momentum must be 0 or more and finite, got {args.momentum}")
     return args
 
 
@@ -150,6 +154,14 @@ def load_snapshot(path, model, optimizer, device):
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
     return snapshot["EPOCHS_RUN"]
+
+
+def stopped(path):
+    """Ctrl-C: one process says what the same command resumes from (exit status 130)."""
+    if os.environ.get("RANK", "0") == "0":
+        where = f"resumes from {path}" if os.path.exists(path) else "starts again (none saved)"
+        print(f"stopped by Ctrl-C: the same command {where}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

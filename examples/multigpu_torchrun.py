@@ -78,7 +78,10 @@ def main():
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+    try:
+        Trainer(model, train_data, optimizer, loss_fn, device, args).train()
+    except KeyboardInterrupt:
+        stopped(args.snapshot_path)
     dist.destroy_process_group()
 
 
@@ -102,8 +105,10 @@ def get_args(parser):
     parser.add_argument("--dataset_size", type=int, default=2048)
     args = parser.parse_args()
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
-        if getattr(args, key) <= 0:
-            parser.error(f"{key} must be positive, got {getattr(args, key)}")
+        if not 0 < getattr(args, key) < float("inf"):  # nan fails this too
+            parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
+    if not 0 <= args.momentum < float("inf"):
+        parser.error(f"momentum must be 0 or more and finite, got {args.momentum}")
     return args
 
 
@@ -135,6 +140,14 @@ def load_snapshot(path, model, optimizer, device):
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"resuming from {path}: {snapshot['EPOCHS_RUN']} epochs already run")
     return snapshot["EPOCHS_RUN"]
+
+
+def stopped(path):
+    """Ctrl-C: one process says what the same command resumes from (exit status 130)."""
+    if os.environ.get("RANK", "0") == "0":
+        where = f"resumes from {path}" if os.path.exists(path) else "starts again (none saved)"
+        print(f"stopped by Ctrl-C: the same command {where}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

