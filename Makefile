@@ -246,9 +246,11 @@ TORCHFT_ARGS ?=
 two-node-torchft: image-current ## torchft replica groups in two containers: node1 killed, started again, healed live
 	$(PYTHON3) demos/two_node_torchft.py --image $(IMAGE) $(TORCHFT_ARGS)
 
+# one line, as make echoes it
+doctor: DOCTOR_ARGS = $(if $(ENDPOINT), --endpoint $(ENDPOINT))$(if $(NODES), --nodes $(NODES))
+doctor: DOCTOR_ARGS += $(if $(COLLECT_ENV),--collect_env)
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT (NODES: all-reduce across them)
-	$(PY) tools/doctor.py $(if $(ENDPOINT),--endpoint $(ENDPOINT)) $(if $(NODES),--nodes $(NODES)) \
-		$(if $(COLLECT_ENV),--collect_env)
+	$(PY) tools/doctor.py$(DOCTOR_ARGS)
 
 fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
 	$(PY) demos/fault.py --dir $(RUNS)/fault-demo

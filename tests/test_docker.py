@@ -817,14 +817,15 @@ def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project,
     assert not left.stdout.strip(), left.stdout
 
 
+TORCHFT_EPOCHS = 24  # of the demo's 40 by default: node1 is killed after epoch 5 and back within 10
 TORCHFT_ACCOUNT_RE = [  # the account `make two-node-torchft` ends with, line by line
     r"the lighthouse's status page, http://localhost:(\d+)/status, showed node0 and node1 in quorum \d+",
     r"node0's world size by epoch: (?:.*, )?2 \((?:epochs )?(?:\d+-)?(\d+)\), "  # up to node1's kill
-    r"1 \((\d+)-(\d+)\), 2 \((\d+)-40\)",
+    rf"1 \((\d+)-(\d+)\), 2 \((\d+)-{TORCHFT_EPOCHS}\)",
     r"node0 logged epoch (\d+) ([\d.]+) s after node1's kill",
     r"node1 took node0's live state at step (\d+) \(epoch (\d+)\) ([\d.]+) s after its start",
     r"node1's first epoch after its start: (\d+) \(killed after (\d+)\)",
-    r"node0 and node1 ended at epochs 40 and 40 of 40",
+    rf"node0 and node1 ended at epochs {TORCHFT_EPOCHS} and {TORCHFT_EPOCHS} of {TORCHFT_EPOCHS}",
     r"their last snapshots: weights identical on 2 of 2 groups",
     r"exit codes: lighthouse 0, node0 0, node1 0",
 ]
@@ -844,7 +845,8 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
     lighthouse's status page answers on the port published on the host while the groups train."""
     job, port = project(("compose/torchft.yaml",)), free_port()  # a name of this run, removed after
     make = ["make", "--no-print-directory", "-C", REPO, "two-node-torchft", f"IMAGE={image}"]
-    make += [f"BASE_IMAGE={BASE_IMAGE}", f"TORCHFT_ARGS=--project {job.name} --port {port}"]
+    options = f"--project {job.name} --port {port} --epochs {TORCHFT_EPOCHS}"
+    make += [f"BASE_IMAGE={BASE_IMAGE}", f"TORCHFT_ARGS={options}"]
     pages, done = [], threading.Event()
 
     def watch():  # the status page, as a user's browser on this host asks for it
@@ -883,7 +885,7 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
     node0, node1 = served(logs, "node0-1"), served(logs, "node1-1")
     # node0 may have joined late and healed from node1 at the start (a quorum needs one group): from there
     epochs0 = [(int(m[1]), int(m[4])) for line in node0 if (m := EPOCH_RE.match(line))]
-    assert [epoch for epoch, _ in epochs0] == list(range(epochs0[0][0], 41)), epochs0  # never back or again
+    assert [epoch for epoch, _ in epochs0] == list(range(epochs0[0][0], TORCHFT_EPOCHS + 1)), epochs0
     since = [(epoch, size) for epoch, size in epochs0 if epoch >= killed]
     sizes = [size for i, (_, size) in enumerate(since) if i == 0 or since[i - 1][1] != size]
     assert sizes == [2, 1, 2], epochs0  # with node1 up to its kill, alone, with node1 again
@@ -893,7 +895,7 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
     assert len(starts) == 2, node1[:5]
     before = [int(m[1]) for line in node1[: starts[1]] if (m := EPOCH_RE.match(line))]
     after = [int(m[1]) for line in node1[starts[1] :] if (m := EPOCH_RE.match(line))]
-    assert before[-1] == killed and after[0] == first and after[-1] == 40, (before, after)
+    assert before[-1] == killed and after[0] == first and after[-1] == TORCHFT_EPOCHS, (before, after)
     left = run(
         ["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={job.name}"], timeout=60
     )
