@@ -417,6 +417,21 @@ def test_make_builds_the_image_only_when_it_is_missing_or_out_of_date(image):
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120, check=False)
 
 
+def test_a_base_no_registry_holds_stops_make_in_one_line_before_any_build():
+    """Without a registry, a build on the CUDA base fails at FROM with Docker's raw error, under make's Error
+    lines from a sub-make. make says instead, in one line, how to build the base offline, before `docker
+    build` starts. Checked with a base that no registry holds, so that it holds with a registry too."""
+    need(docker_daemon(), "no reachable Docker daemon (docker/start-daemon.sh starts one)", "REQUIRE_DOCKER")
+    base, image = f"local/no-such-base:{RUN_ID}", f"ddp-examples:no-such-image-{RUN_ID}"
+    cmd = ["make", "--no-print-directory", "-C", REPO, "two-node-cpu", f"IMAGE={image}", f"BASE_IMAGE={base}"]
+    proc = run(cmd, timeout=120, check=False)
+    said = f"cannot pull {base} (no registry reachable?): build the base offline: make base-image, then "
+    said += "make two-node-cpu BASE_IMAGE=local/ddp-base:bookworm"
+    lines = proc.stdout.splitlines()
+    assert proc.returncode != 0 and len(lines) == 2 and lines[0] == said, proc.stdout[-3000:]
+    assert re.fullmatch(r"make: \*\*\* \[Makefile:\d+: image-current\] Error 1", lines[1]), lines
+
+
 def test_the_two_node_targets_and_in_docker_steps_build_only_when_needed():
     prerequisites = run(["make", "-p", "-n", "-C", REPO, "help"], timeout=30).stdout
     for target in ("two-node", "two-node-cpu", "two-node-accelerate", "two-node-failover"):
