@@ -8,6 +8,15 @@
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 # Packages of the lock that the image leaves out (below)
 ARG LEAVE_OUT=triton
+
+# What the image is built from, as one checksum of the build context (docker/image-inputs.sh), for the
+# image's /app/.image-inputs: `make image-current` compares it with the working tree's, so an image is
+# up to date or not alike for make and docker compose, whichever built it. A stage of its own, so that the
+# context is not copied into the image.
+FROM ${BASE_IMAGE} AS inputs
+COPY . /context/
+RUN sh /context/docker/image-inputs.sh /context > /image-inputs
+
 FROM ${BASE_IMAGE} AS runtime
 
 ARG USER_NAME=ddp
@@ -49,6 +58,10 @@ WORKDIR /app
 COPY examples/ /app/examples/
 COPY tools/ docker/ray-node.sh /app/tools/
 RUN python -m compileall -q /app/examples /app/tools
+# The checksum above, and the base as a label: a rebuild without BASE_IMAGE keeps the image's base.
+COPY --from=inputs /image-inputs /app/.image-inputs
+ARG BASE_IMAGE
+LABEL ddp.base=${BASE_IMAGE}
 
 USER ${USER_NAME}
 CMD ["python", "examples/multinode.py", "--help"]

@@ -195,30 +195,34 @@ memory: $(ENV) ## GPT memory per rank (params, grads, optimizer state, peak) for
 .PHONY: two-node-failover two-node-torchft
 
 image: ## build the Docker image (IMAGE=ddp-examples:latest; BASE_IMAGE=... replaces the CUDA base)
-	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --label ddp.inputs=$(IMAGE_SUM) \
-	  --label ddp.base=$(or $(BASE_IMAGE),default) -t $(IMAGE) .
+	@$(call need_base,$(or $(BASE_IMAGE),$(DEFAULT_BASE)),image)
+	docker build --target runtime $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 
 image-ray: ## the image plus Ray, for compose/ray.yaml (RAY_IMAGE=ddp-examples-ray:latest)
+	@$(call need_base,$(or $(BASE_IMAGE),$(DEFAULT_BASE)),image-ray)
 	docker build --target ray $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(RAY_IMAGE) .
 
-# What the image is built from (the Dockerfile, .dockerignore and the files its ! lines let in), as one
-# checksum that `make image` writes into a label. The two-node targets and IN_DOCKER=1 build only when the
-# image is missing, was built from other files, or from another BASE_IMAGE than one given; otherwise they
-# run the image as `docker compose up` does. A rebuild without BASE_IMAGE keeps the base the image had, so a
-# machine without a registry that built on local/ddp-base:bookworm keeps building on it.
-IMAGE_INPUTS = Dockerfile .dockerignore $(shell sed -n 's/^!//p' .dockerignore)
-IMAGE_FILES = $(shell find $(IMAGE_INPUTS) -type f ! -path '*/__pycache__/*' ! -name '*.pt' | LC_ALL=C sort)
-IMAGE_SUM = $(shell sha256sum $(IMAGE_FILES) | sha256sum | cut -c1-16)
+# What the image is built from, as one checksum (docker/image-inputs.sh), which the Dockerfile writes into the
+# image as well, with its base as the label ddp.base: the same whether make or `docker compose up` built it.
+# The two-node targets and IN_DOCKER=1 build only when the image is missing, was built from other files, or
+# on another BASE_IMAGE than one given; otherwise they run it as it is. A rebuild without BASE_IMAGE keeps
+# the image's base, so a machine without a registry that built on local/ddp-base:bookworm keeps building on it.
+IMAGE_SUM = $(shell docker/image-inputs.sh)
+DEFAULT_BASE = $(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
+# $(call need_base,BASE,TARGET): BASE is here or pulled; else one line on building it offline, and exit 1
+need_base = docker image inspect $(1) >/dev/null 2>&1 || docker pull -q $(1) >/dev/null 2>&1 || { echo \
+  "cannot pull $(1) (no registry reachable?): build the base offline: make base-image, then \
+  make $(or $(MAKECMDGOALS),$(2)) BASE_IMAGE=$(LOCAL_BASE)" >&2; exit 1; }
 image-current: ## build the image only when it is missing or out of date (the two-node targets use this)
-	@labels=$$(docker image inspect -f '{{index .Config.Labels "ddp.inputs"}} {{index .Config.Labels "ddp.base"}}' \
-	  $(IMAGE) 2>/dev/null); sum=$${labels% *}; base=$${labels#* }; base=$${base#<no value>}; \
-	if [ -n "$$labels" ] && [ "$$sum" = "$(IMAGE_SUM)" ] && [ -z "$(BASE_IMAGE)" -o "$$base" = "$(BASE_IMAGE)" ]; then \
+	@state=missing; if base=$$(docker image inspect -f '{{index .Config.Labels "ddp.base"}}' $(IMAGE) 2>/dev/null); \
+	then state="out of date"; sum=$$(docker run --rm --network none --entrypoint cat $(IMAGE) /app/.image-inputs 2>/dev/null); fi; \
+	base=$${base#<no value>}; [ "$$base" != default ] || base=$(DEFAULT_BASE); \
+	if [ -n "$$sum" ] && [ "$$sum" = "$(IMAGE_SUM)" ] && [ -z "$(BASE_IMAGE)" -o "$$base" = "$(BASE_IMAGE)" ]; then \
 	  echo "$(IMAGE) is up to date (built from these files on base $$base): not rebuilt"; \
 	else \
-	  given='$(BASE_IMAGE)'; [ -n "$$given" ] || { [ -n "$$base" ] && [ "$$base" != default ] && given=$$base; }; \
-	  state=missing; [ -z "$$labels" ] || state="out of date"; \
+	  given=$(or $(BASE_IMAGE),$$base); $(call need_base,$${given:-$(DEFAULT_BASE)},image-current); \
 	  echo "$(IMAGE) is $$state: building it$${given:+ on $$given}"; \
-	  $(MAKE) --no-print-directory image IMAGE=$(IMAGE) BASE_IMAGE=$$given; \
+	  set -x; docker build --target runtime $${given:+--build-arg BASE_IMAGE=$$given} -t $(IMAGE) .; \
 	fi
 
 base-image: ## build local/ddp-base:bookworm offline (debootstrap), for: make image BASE_IMAGE=...

@@ -12,7 +12,7 @@ tag=${1:-local/ddp-base:bookworm}
 ca_bundle=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 
 if [ "${REBUILD:-0}" != 1 ] && docker image inspect "$tag" >/dev/null 2>&1; then
-  echo "base image $tag exists (REBUILD=1 to rebuild)"
+  echo "base image $tag exists (REBUILD=1 to rebuild); next: BASE_IMAGE=$tag docker compose up"
   exit 0
 fi
 
@@ -36,4 +36,4 @@ cert=/etc/ssl/certs/ca-certificates.crt
 tar -C "$rootfs" -c . | docker import \
   -c "ENV SSL_CERT_FILE=$cert PIP_CERT=$cert REQUESTS_CA_BUNDLE=$cert" \
   -c 'CMD ["/bin/bash"]' - "$tag"
-echo "built $tag"
+echo "built $tag; next: BASE_IMAGE=$tag docker compose up (or make two-node-cpu BASE_IMAGE=$tag)"

@@ -361,30 +361,25 @@ def test_build_context_is_an_allowlist():
 
 
 def test_every_file_the_image_copies_marks_it_out_of_date(tmp_path):
-    """The Dockerfile copies only from .dockerignore's list, and IMAGE_SUM (the label `make image-current`
-    compares) hashes every file of that list: a file the image carries cannot change without the image being
-    out of date. Checked on a copy: every tracked file under a COPY source is hashed, and editing one changes
-    the sum."""
+    """The Dockerfile copies only from .dockerignore's list, and docker/image-inputs.sh, whose checksum the
+    image carries and make's IMAGE_SUM is, hashes every file of that list: a file the image carries cannot
+    change without the image being out of date. Checked on a copy: every tracked file under a COPY source is
+    hashed, make's sum is the script's, and editing a file changes it (`COPY .` is the checksum's stage)."""
     copies = re.findall(r"^COPY (?!--from)(.+)$", (REPO / "Dockerfile").read_text(), re.M)
-    sources = sorted({source.rstrip("/") for line in copies for source in line.split()[:-1]})
+    sources = sorted({source.rstrip("/") for line in copies for source in line.split()[:-1]} - {"."})
     assert {"examples", "tools"} <= set(sources), sources
     carried = run(["git", "ls-files", *sources], timeout=60, cwd=REPO).stdout.split()
     assert len(carried) > len(sources), carried
     shutil.copytree(REPO, tmp_path / "repo", ignore=shutil.ignore_patterns(".git", ".venv", "runs", "*.pt"))
-    show = [
-        "make",
-        "-s",
-        "-C",
-        tmp_path / "repo",
-        "--eval",
-        "show: ; @echo $(IMAGE_SUM) $(IMAGE_FILES)",
-        "show",
-    ]
-    total, *hashed = run(show, timeout=60).stdout.split()
-    assert sorted(set(carried) - set(hashed)) == []
+    script = tmp_path / "repo" / "docker" / "image-inputs.sh"
+    hashed = run([script, "--files", tmp_path / "repo"], timeout=60).stdout.split()
+    assert sorted(set(carried) - set(hashed)) == [] and {"Dockerfile", ".dockerignore"} <= set(hashed)
+    show = ["make", "-s", "-C", tmp_path / "repo", "--eval", "show: ; @echo $(IMAGE_SUM)", "show"]
+    total = run(show, timeout=60).stdout.strip()
+    assert total == run([script, tmp_path / "repo"], timeout=60).stdout.strip()
     with open(tmp_path / "repo" / carried[-1], "a") as edited:
         edited.write("\n")
-    assert run(show, timeout=60).stdout.split()[0] != total
+    assert run(show, timeout=60).stdout.strip() != total
 
 
 def test_image_runs_as_a_non_root_user_without_secrets(image):
@@ -397,12 +392,17 @@ def test_image_runs_as_a_non_root_user_without_secrets(image):
     assert not [n for n in names if re.search(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", n)], names
 
 
+def inputs_sum(image):
+    """The checksum of its inputs that the image carries (the Dockerfile's stage inputs)."""
+    cat = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "cat", image, "/app/.image-inputs"]
+    return run(cat, timeout=60).stdout.strip()
+
+
 def test_make_builds_the_image_only_when_it_is_missing_or_out_of_date(image):
     """`make two-node-cpu` on a machine without a registry: an image already there is run, not rebuilt (a
     rebuild would ask the registry for the CUDA base and fail); changed inputs rebuild it on its own base."""
     tag = f"{IMAGE}-current"
     make = ["make", "--no-print-directory", "-C", REPO, "image-current", f"IMAGE={tag}"]
-    labels = ["docker", "image", "inspect", "-f", '{{index .Config.Labels "ddp.inputs"}}', tag]
     try:
         first = run([*make, f"BASE_IMAGE={BASE_IMAGE}"], timeout=1800).stdout
         assert f"{tag} is missing: building it on {BASE_IMAGE}" in first, first[-2000:]
@@ -412,9 +412,24 @@ def test_make_builds_the_image_only_when_it_is_missing_or_out_of_date(image):
         )
         changed = run([*make, "IMAGE_SUM=0123456789abcdef"], timeout=1800).stdout  # as if an example changed
         assert f"{tag} is out of date: building it on {BASE_IMAGE}" in changed, changed[-2000:]
-        assert run(labels, timeout=60).stdout.strip() == "0123456789abcdef"
+        assert inputs_sum(tag) == run([REPO / "docker" / "image-inputs.sh", REPO], timeout=60).stdout.strip()
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120, check=False)
+
+
+def test_a_base_no_registry_holds_stops_make_in_one_line_before_any_build():
+    """Without a registry, a build on the CUDA base fails at FROM with Docker's raw error, under make's Error
+    lines from a sub-make. make says instead, in one line, how to build the base offline, before `docker
+    build` starts. Checked with a base that no registry holds, so that it holds with a registry too."""
+    need(docker_daemon(), "no reachable Docker daemon (docker/start-daemon.sh starts one)", "REQUIRE_DOCKER")
+    base, image = f"local/no-such-base:{RUN_ID}", f"ddp-examples:no-such-image-{RUN_ID}"
+    cmd = ["make", "--no-print-directory", "-C", REPO, "two-node-cpu", f"IMAGE={image}", f"BASE_IMAGE={base}"]
+    proc = run(cmd, timeout=120, check=False)
+    said = f"cannot pull {base} (no registry reachable?): build the base offline: make base-image, then "
+    said += "make two-node-cpu BASE_IMAGE=local/ddp-base:bookworm"
+    lines = proc.stdout.splitlines()
+    assert proc.returncode != 0 and len(lines) == 2 and lines[0] == said, proc.stdout[-3000:]
+    assert re.fullmatch(r"make: \*\*\* \[Makefile:\d+: image-current\] Error 1", lines[1]), lines
 
 
 def test_the_two_node_targets_and_in_docker_steps_build_only_when_needed():
@@ -496,7 +511,10 @@ def epochs_in(up_output):
 def test_plain_up_at_the_root_builds_the_image_and_trains(project, compose):
     """What a new user types: `docker compose up` at the root, no flags. A missing image is built (from the
     layers the image fixture cached, on the local base); both nodes train to the end on CPUs and exit 0.
-    A second `up` resumes from the snapshot on the volume: it already holds every epoch, so nothing trains."""
+    The second run is make's way on compose's image, offline: `make two-node-cpu` finds it up to date (the
+    checksum of its inputs that the Dockerfile wrote into it is the working tree's, its base label the one
+    given) and runs it without a build (one would fail here, with no registry). Its `docker compose up`
+    resumes from the snapshot on the volume: that holds every epoch already, so nothing trains."""
     tag = f"ddp-examples:test-up-{RUN_ID}"
     proj = project((), DDP_IMAGE=tag, BASE_IMAGE=BASE_IMAGE)
     proj.cmd = [*compose, "-p", proj.name]  # no -f: the root's compose.yaml, as Compose finds it
@@ -509,9 +527,13 @@ def test_plain_up_at_the_root_builds_the_image_and_trains(project, compose):
         TrainLog(proj.logs("node0")).assert_trained(world_size=4)
         assert_world(proj.logs("node0") + proj.logs("node1"), {"node0": 2, "node1": 2})
 
-        again = proj("up", timeout=300, check=False)
+        cmd = ["make", "--no-print-directory", "-C", REPO, "two-node-cpu", f"IMAGE={tag}", f"EPOCHS={EPOCHS}"]
+        cmd += [f"SAVE_EVERY={SAVE_EVERY}", f"COMPOSE={' '.join(compose)} -p {proj.name}"]
+        again = run(cmd, timeout=300, check=False, env=proj.env)
         assert again.returncode == 0, again.stdout[-3000:]
-        assert epochs_in(again.stdout) == [], again.stdout[-3000:]
+        up_to_date = f"{tag} is up to date (built from these files on base {BASE_IMAGE}): not rebuilt\n"
+        assert again.stdout.startswith(up_to_date), again.stdout[-3000:]
+        assert "docker build" not in again.stdout and epochs_in(again.stdout) == [], again.stdout[-3000:]
     finally:
         proj.down()
         run(["docker", "image", "rm", tag], timeout=120, check=False)
