@@ -26,6 +26,8 @@ EXPECTED = {
     "port_in_use": ("port in use", "EADDRINUSE"),
     "node_local_snapshots": ("node-local snapshots", "the nodes found different snapshots"),
     "batchnorm_stats": ("per-process BatchNorm", "eval outputs by"),
+    "rank0_eval_ddp": ("rank 0 evaluating through DDP", "entered by rank 0 (broadcast); not by rank 1"),
+    "accumulation_sync": ("accumulation all-reduces every micro-batch", "12 all-reduces in 3 steps"),
 }
 # fixes that need what the suite's CPU runs do not have: what their --fixed run must say instead
 NEEDS_GPUS = {"batchnorm_stats": "error: --fixed needs 2 GPUs: torch runs SyncBatchNorm on CUDA only"}
