@@ -1,6 +1,6 @@
 """Run every script of examples/pitfalls broken, then with --fixed, and print one line each (make pitfalls).
 
-    python demos/pitfalls.py [--json FILE] [NAME ...]
+    python demos/pitfalls.py [--json FILE] [--jobs N] [NAME ...]
 
 A pitfall passes when its broken run fails (non-zero) within LIMIT seconds with its last line naming the
 cause ("cause: ...") and its fixed run exits 0, or says it needs GPUs (SyncBatchNorm runs on CUDA only; the
@@ -8,6 +8,7 @@ runs here hide the GPUs). Exit status: 0 if every pitfall passes, else 1.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import signal
@@ -68,6 +69,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="pitfalls to run (default: all)")
     parser.add_argument("--json", help="write every run's status, time and output here")
+    parser.add_argument("--jobs", type=int, default=2, help="pitfalls run at a time (default 2)")
     args = parser.parse_args(argv)
     known = sorted(p.stem for p in PITFALLS.glob("*.py"))
     unknown = sorted(set(args.names) - set(known))
@@ -76,8 +78,10 @@ def main(argv=None):
     results = []
     print("Each pitfall runs broken (it fails, naming its cause), then with --fixed (it succeeds).")
     print(f"{'pitfall':22} | {'broken run':22} | {'what it showed':90} | --fixed", flush=True)
-    for name in args.names or known:
-        result = check(name)
+    # two at a time, said in order: most of a broken run is a wait for its timeout
+    pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
+    for result in pool.map(check, args.names or known):
+        name = result["name"]
         results.append(result)
         broken, fixed = result["broken"], result["fixed"]
         reproduced = broken["code"] not in (0, None) and result["cause"]
