@@ -79,13 +79,14 @@ def test_trains_and_keeps_the_best_snapshot_beside_the_last(bf16, fp32, precisio
 
 
 def test_sigterm_at_a_random_moment_then_the_same_command_ends_bit_for_bit(bf16, tmp_path):
-    """SIGTERM to torchrun at a random moment of a bf16 run with 2 loader workers a process: the workers
-    save at the next step, one line names the snapshot and says the same command resumes, and running it
-    again ends on the uninterrupted run's weights, optimizer state and printed lines, bit for bit.
+    """SIGTERM to torchrun at a random moment of a bf16 run with 2 loader workers a process: the
+    processes agree to stop at the next step, rank 0 saves, one line names the snapshot and says the same
+    command resumes, and running it again ends on the uninterrupted run's weights, optimizer state and
+    printed lines, bit for bit.
     Mutations: the skipped steps of a resumed epoch not read again (`continue` before the batches are
-    read) -> the augmentations shift and the weights differ; the stop flag not all-reduced -> rank 1
-    trains on alone and the run hangs until the timeout; the workers not blocking SIGTERM -> a
-    DataLoader worker dies and the rank fails."""
+    read) -> the augmentations shift and the weights differ; the loader workers not blocking the signal
+    (no quiet_worker) -> a worker dies of it, "DataLoader worker ... is killed by signal: Terminated", and
+    the rank fails with a traceback."""
     cmd = torchrun(2, *COMMON)
     proc = popen(
         cmd, cwd=tmp_path, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -116,8 +117,9 @@ def test_sigterm_at_a_random_moment_then_the_same_command_ends_bit_for_bit(bf16,
 def test_validation_is_the_same_on_1_2_and_3_processes(bf16, tmp_path):
     """The bf16 run's last snapshot validated again on 1 and 3 processes (the same command finds every step
     done and only validates): loss and correct answers print exactly as the 2-process run printed them.
-    359 images: 3 processes get 120 each, one a repeat, which the sums leave out. Mutation: the mean over
-    each rank's batch means in place of the sums -> 3 processes print another loss."""
+    359 images: 3 processes get 120 each, one a repeat, which the sums leave out. Mutations: the mean over
+    each rank's batch means in place of the sums -> 3 processes print another loss; the repeats counted
+    -> 3 processes print val_acc 322/360."""
     folder, out = bf16
     expected = EPOCH_RE.findall(out)[-1][1].rsplit(" | world_size", 1)[0]
     for nproc in (1, 3):
@@ -198,8 +200,8 @@ def test_bad_input_is_refused_with_exit_2(tmp_path, monkeypatch, capsys, args, m
 def test_the_accelerate_twin_ends_where_the_ddp_recipe_ends(fp32, tmp_path):
     """recipe_accelerate.py under `accelerate launch` with the committed one_node.yaml (2 processes), fp32,
     the same arguments: the same printed validation loss and weights within 1e-6 of the DDP recipe's.
-    Mutation: the twin's loss not divided by accumulation (accelerator.accumulate left out) -> the weights
-    differ by far more."""
+    Mutation: `with accelerator.accumulate(model):` left out -> the optimizer steps at every micro-batch
+    and the weights differ."""
     launch_cmd = [
         VENV / "bin" / "accelerate",
         "launch",
