@@ -45,7 +45,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray diff doctor fault-demo torchft pitfalls gpu-check test test-quick lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray recipe recipe-accelerate diff doctor fault-demo torchft pitfalls gpu-check test test-quick lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -95,7 +95,7 @@ two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
 # wrapped within 100 characters, the make variables in it expanded. A target with "## " that no group names
 # is listed last, under "Other", so that none is hidden (tests/test_structure.py checks that none is).
 HELP_GROUPS := Lessons: env single_gpu multigpu dataparallel torchrun multinode accelerate ray torchft \
-  diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
+  recipe recipe-accelerate diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
   two-node-cpu two-node-accelerate two-node-down two-node-failover two-node-torchft Engines: slurm-cluster \
   slurm-submit slurm-status slurm-down k8s-check Diagnostics: doctor pitfalls why-hung fault-demo \
   Benchmarks: bench bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick lint \
@@ -143,6 +143,15 @@ multinode: $(ENV) ## step 4: two local "nodes", c10d rendezvous on localhost (GP
 accelerate: $(ENV) ## step 3 with Hugging Face Accelerate, launched by torchrun
 	$(call step,multigpu_accelerate)
 
+recipe: $(ENV) ## after step 3, the script to copy: digits, validation, bf16, --grad_accum, saves on SIGTERM
+	$(call step,recipe)
+
+# the same under accelerate launch, its one-node config, NPROC processes (the snapshot: a folder)
+recipe-accelerate: $(ENV) ## recipe.py in Accelerate's idiom, started by accelerate launch
+	@mkdir -p $(RUNS)/$@
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/accelerate launch --config_file examples/accelerate/one_node.yaml \
+	  --num_processes $(NPROC) examples/recipe_accelerate.py $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot $(ARGS)
+
 ray: $(ENV) ## step 3 with Ray Train: a Ray cluster on this machine for the run, stopped after it
 	$(call step,multigpu_ray)
 
@@ -151,6 +160,8 @@ diff: ## what each step adds to the previous one
 	diff -u examples/multigpu_torchrun.py examples/multigpu_accelerate.py; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_ray.py; \
 	diff -u examples/multigpu_torchrun.py examples/multigpu_torchft.py; \
+	diff -u examples/multigpu_torchrun.py examples/recipe.py; \
+	diff -u examples/recipe.py examples/recipe_accelerate.py; \
 	diff -u examples/single_gpu.py examples/multigpu_dataparallel.py; true
 
 # ==== GPT: examples/gpt, a GPT trained with DDP (docs/gpt.md) =============================================

@@ -30,6 +30,7 @@ STEPS = {
     "multinode": "nodes",
     "multigpu_accelerate": "torchrun",
     "multigpu_ray": "ray",  # a Ray cluster on this machine for the run (harness/ray_local.py)
+    "recipe": "torchrun",  # after step 3: the script to copy (digits, validation, bf16, resume on SIGTERM)
 }
 # torchrun's rendezvous gives up after these seconds, not its defaults of 600 and 60, when a node never comes
 RDZV_CONF = "join_timeout=60,read_timeout=30"

@@ -191,3 +191,23 @@ def test_no_function_of_the_gpt_package_is_over_60_lines():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
                 assert node.end_lineno - node.lineno < 60, f"{path.name}: {node.name}"
+
+
+# The recipe (examples/recipe.py) and its accelerate twin: not steps of the tutorial (their own data, model
+# and arguments), but written as the lessons are, refusing as the torchrun lessons refuse.
+RECIPES = ["recipe", "recipe_accelerate"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_recipes_read_like_the_lessons_and_refuse_as_they_do(name):
+    """At most 250 lines, a mean of at most 60 characters a line, under 5% of lines of 100 or more, no
+    walrus; refuse() and the __main__ block identical to multigpu_torchrun.py's, so that a refusal is said
+    once under torchrun. Mutation: a line added to recipe.py's refuse() -> it drifted, this fails."""
+    lines = source(name).splitlines()
+    filled = [line for line in lines if line.strip()]
+    assert len(lines) <= 250, len(lines)
+    assert sum(map(len, filled)) / len(filled) <= 60
+    assert sum(len(line) >= 100 for line in lines) <= 0.05 * len(lines)
+    assert not [node for node in ast.walk(ast.parse(source(name))) if isinstance(node, ast.NamedExpr)]
+    for function in SHARED_TORCHRUN:
+        assert functions(name)[function] == functions("multigpu_torchrun")[function], function

@@ -1,0 +1,250 @@
+"""After step 3: the DDP script to copy into a project, on a real data set (scikit-learn's digits).
+
+torchrun --standalone --nproc-per-node=2 recipe.py 10 5 [--precision fp32 --grad_accum 4 ...]
+"""
+
+import argparse
+import importlib.util
+import math
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import numpy
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # before any group forms, or the exit may abort
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STOP = []  # the signals this process got
+
+
+class Augmented(TensorDataset):  # training images, shifted by up to a pixel and noised
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        # numpy's random numbers: torch seeds them in each worker
+        dy, dx = numpy.random.randint(0, 3, size=2)
+        image = nn.functional.pad(image, (1, 1, 1, 1))[:, dy : dy + 8, dx : dx + 8]
+        return image + torch.tensor(numpy.random.normal(0, 0.1, image.shape), dtype=torch.float32), label
+
+
+def quiet_worker(worker_id):  # a signal is the rank's to handle: it stops its workers
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
+
+
+def seed_epoch(loader, seed, epoch, rank, world_size):
+    """Augmentations of their own in each rank, worker and epoch, the same in every run."""
+    loader.sampler.set_epoch(epoch)  # the order: the same in every rank
+    seed = seed + rank + world_size * epoch
+    loader.generator = torch.Generator().manual_seed(seed)  # each worker's seed comes from it
+    numpy.random.seed(seed)  # for --workers 0: augmented in this process
+
+
+class Trainer:
+    def __init__(self, model, train_data, val_data, optimizer, device, args):
+        self.train_data, self.val_data = train_data, val_data
+        self.optimizer, self.device, self.args = optimizer, device, args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # no underflow
+        self.dtype = DTYPES[args.precision]
+        self.steps_per_epoch = len(train_data) // args.grad_accum
+        # steps taken, best validation loss, this epoch's loss summed over every process
+        state = load_snapshot(args.snapshot_path, model, optimizer, self.scaler, device)
+        self.steps_run, self.best, self.loss_sum = state
+        self.model = DDP(model.to(device))
+
+    def _forward(self, source, targets, reduction="mean"):
+        source, targets = source.to(self.device, non_blocking=True), targets.to(self.device)
+        with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+            logits = self.model(source).float()
+        return nn.functional.cross_entropy(logits, targets, reduction=reduction), logits, targets
+
+    def _backward(self, source, targets, parts):
+        loss = self._forward(source, targets)[0] / parts
+        self.scaler.scale(loss).backward()
+        return loss.item()
+
+    def _run_step(self, batches):
+        loss = 0.0
+        with self.model.no_sync():  # gradients add up here; the last backward all-reduces them
+            for source, targets in batches[:-1]:
+                loss += self._backward(source, targets, len(batches))
+        loss += self._backward(*batches[-1], len(batches))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        return loss
+
+    def _run_epoch(self, epoch):
+        seed_epoch(self.train_data, self.args.seed, epoch, self.rank, self.world_size)
+        done = self.steps_run - epoch * self.steps_per_epoch  # before a stop
+        batches = iter(self.train_data)
+        for step in range(self.steps_per_epoch):
+            micro = [next(batches) for _ in range(self.args.grad_accum)]
+            if step < done:
+                continue  # read again, so that the augmentations after it repeat
+            loss = self._run_step(micro)
+            self.steps_run += 1
+            both = torch.tensor([loss, len(STOP)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(both)  # one a step: the loss, and whether any process got a signal
+            self.loss_sum += both[0].item()
+            if both[1].item() > 0:
+                return True
+
+    def _validate(self):
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # the sampler repeats samples so that every rank has as many: this rank's k-th
+        # sample is the (rank + k * world_size)-th of the list, a repeat past the end
+        places = torch.arange(len(self.val_data.sampler), device=self.device) * self.world_size
+        reals = (self.rank + places < len(self.val_data.dataset)).split(self.args.batch_size)
+        self.model.eval()
+        with torch.no_grad():
+            for batch, real in zip(self.val_data, reals, strict=True):
+                losses, logits, targets = self._forward(*batch, reduction="none")
+                totals[0] += losses[real].double().sum()
+                totals[1] += (logits.argmax(1) == targets)[real].sum()
+                totals[2] += real.sum()
+        self.model.train()
+        dist.all_reduce(totals)  # sums, not means: exact at any world size
+        loss, correct, count = totals[0].item() / totals[2].item(), int(totals[1]), int(totals[2])
+        accuracy = f"{correct}/{count} ({100 * correct / count:.2f}%)"
+        return loss, f"val_loss {loss:.6g} | val_acc {accuracy} | world_size {self.world_size}"
+
+    def _save(self, path):
+        if self.rank == 0:
+            state = [self.steps_run, self.best, self.loss_sum]
+            save_snapshot(path, self.model.module, self.optimizer, self.scaler, state)
+
+    def train(self):
+        self._print(f"step {self.steps_run} | {self._validate()[1]}")
+        path, total = self.args.snapshot_path, self.args.total_epochs
+        for epoch in range(self.steps_run // self.steps_per_epoch, total):
+            stopping = self._run_epoch(epoch)
+            if self.steps_run % self.steps_per_epoch == 0:  # the epoch's end
+                train_loss, self.loss_sum = self.loss_sum / (self.steps_per_epoch * self.world_size), 0.0
+                loss, line = self._validate()
+                self._print(f"epoch {epoch + 1}/{total} | train_loss {train_loss:.6g} | {line}")
+                if loss < self.best:  # kept beside the last snapshot
+                    self.best = loss
+                    self._save(path.removesuffix(".pt") + "_best.pt")
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == total:
+                    self._save(path)
+            if stopping:
+                self._save(path)
+                why = (STOP or ["a signal to another process"])[0]
+                saved = f"saved in {path}: the same command resumes"
+                return self._print(f"stopped by {why} at step {self.steps_run}, {saved}")
+
+    def _print(self, line):
+        if self.rank == 0:  # one process logs and saves for all
+            print(line, flush=True)
+
+
+@record  # torchrun's summary shows this function's error, from its error file
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
+    parser.error = refuse
+    args = get_args(parser)
+    for signum in [signal.SIGTERM, signal.SIGINT]:  # noted; acted on at the next step
+        signal.signal(signum, lambda signum, frame: STOP.append(signal.Signals(signum).name))
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
+    train_set, val_set, model, optimizer = load_train_objs(args)
+    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
+    pin = device.type == "cuda"  # pinned memory: a faster copy to the GPU
+    loading = {"num_workers": args.workers, "worker_init_fn": quiet_worker, "pin_memory": pin}
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, **loading)
+    val_sampler = DistributedSampler(val_set, shuffle=False)
+    val_data = DataLoader(val_set, args.batch_size, sampler=val_sampler, **loading)
+    if len(train_data) < args.grad_accum:
+        refuse(f"batch_size x grad_accum exceeds a process's {len(sampler)} training images")
+    Trainer(model, train_data, val_data, optimizer, device, args).train()
+    dist.destroy_process_group()
+
+
+def refuse(message):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if os.environ["LOCAL_RANK"] != "0":
+        sys.exit(0)  # every process meets it alike: local rank 0 says why, the others end quietly
+    raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
+
+
+def get_args(parser):
+    parser.add_argument("total_epochs", type=int, help="epochs to train in all")
+    parser.add_argument("save_every", type=int, help="epochs between snapshots")
+    parser.add_argument("--batch_size", type=int, default=32, help="per process and micro-batch")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step")
+    parser.add_argument("--lr", type=float, default=0.01)
+    old_gpu = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    parser.add_argument("--precision", choices=DTYPES, default="fp16" if old_gpu else "bf16")
+    parser.add_argument("--workers", type=int, default=2, help="loader processes a rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot_path", default="recipe_snapshot.pt", help="and its _best.pt")
+    args = parser.parse_args()
+    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr"]:
+        if not 0 < getattr(args, key) < math.inf:
+            parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
+    if args.workers < 0:
+        parser.error(f"workers must be 0 or more, got {args.workers}")
+    return args
+
+
+def load_train_objs(args):
+    """The same in every process: the digits split by the seed, a small CNN, AdamW."""
+    # the file scikit-learn ships: read directly, as importing scikit-learn takes seconds
+    folder = importlib.util.find_spec("sklearn").submodule_search_locations[0]
+    path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
+    data = torch.tensor(numpy.loadtxt(path, delimiter=",", dtype=numpy.float32))
+    images, labels = data[:, :-1].reshape(-1, 1, 8, 8) / 16, data[:, -1].long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
+    val, train = order[:359], order[359:]  # of the 1,797 images
+    train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])
+    torch.manual_seed(args.seed)
+    layers = [nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+    layers += [nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten()]
+    model = nn.Sequential(*layers, nn.Linear(32 * 4 * 4, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, foreach=True)
+    return train_set, val_set, model, optimizer
+
+
+def save_snapshot(path, model, optimizer, scaler, state):
+    state = {"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict(), "STATE": state}
+    torch.save({**state, "SCALER_STATE": scaler.state_dict()}, f"{path}.tmp.{os.getpid()}")
+    os.replace(f"{path}.tmp.{os.getpid()}", path)  # atomic: a crash leaves the old one whole
+
+
+def load_snapshot(path, model, optimizer, scaler, device):
+    if not os.path.exists(path):
+        return 0, math.inf, 0.0
+    try:
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
+        model.load_state_dict(snapshot["MODEL_STATE"])
+        optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        scaler.load_state_dict(snapshot["SCALER_STATE"])
+    except Exception as exc:
+        refuse(f"error: cannot resume from {path}: {exc!r}. Move it away to start again.")
+    if dist.get_rank() == 0:
+        print(f"resuming from {path}: {snapshot['STATE'][0]} steps already run")
+    return snapshot["STATE"]
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except argparse.ArgumentError as exc:
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            print(exc, file=sys.stderr)  # no torchrun summary to show it (under mpirun, say)
+        sys.exit(2)

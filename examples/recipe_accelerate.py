@@ -1,0 +1,237 @@
+"""recipe.py with Hugging Face Accelerate: Accelerator does what DDP's lines did.
+
+accelerate launch --config_file accelerate/one_node.yaml recipe_accelerate.py 10 5
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+from datetime import timedelta
+
+import numpy
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # before any group forms, or the exit may abort
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+PRECISIONS = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # ours: accelerate's
+STOP = []  # the signals this process got
+
+
+class Augmented(TensorDataset):  # training images, shifted by up to a pixel and noised
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        # numpy's random numbers: torch seeds them in each worker
+        dy, dx = numpy.random.randint(0, 3, size=2)
+        image = nn.functional.pad(image, (1, 1, 1, 1))[:, dy : dy + 8, dx : dx + 8]
+        return image + torch.tensor(numpy.random.normal(0, 0.1, image.shape), dtype=torch.float32), label
+
+
+def quiet_worker(worker_id):  # a signal is the rank's to handle: it stops its workers
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
+
+
+def seed_epoch(loader, seed, epoch, rank, world_size):
+    """Augmentations of their own in each rank, worker and epoch, the same in every run."""
+    loader.sampler.set_epoch(epoch)  # the order: the same in every rank
+    seed = seed + rank + world_size * epoch
+    loader.generator = torch.Generator().manual_seed(seed)  # each worker's seed comes from it
+    numpy.random.seed(seed)  # for --workers 0: augmented in this process
+
+
+class Trainer:
+    def __init__(self, model, train_data, val_data, optimizer, accelerator, args):
+        self.accelerator, self.train_data, self.args = accelerator, train_data, args
+        self.device = accelerator.device
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.steps_per_epoch = len(train_data) // args.grad_accum
+        # prepare(): DDP around the model, autocast in its forward, validation shared out
+        self.model, self.optimizer, self.val_data = accelerator.prepare(model, optimizer, val_data)
+        # steps taken, best validation loss, this epoch's loss summed over every process
+        self.steps_run, self.best, self.loss_sum = load_snapshot(args.snapshot_path, accelerator)
+
+    def _forward(self, source, targets, reduction="mean"):
+        source, targets = source.to(self.device, non_blocking=True), targets.to(self.device)
+        logits = self.model(source).float()
+        return nn.functional.cross_entropy(logits, targets, reduction=reduction), logits, targets
+
+    def _run_step(self, batches):
+        loss = 0.0
+        for source, targets in batches:
+            # no_sync() but for the last micro-batch; step() and zero_grad() act only then
+            with self.accelerator.accumulate(self.model):
+                micro = self._forward(source, targets)[0]
+                self.accelerator.backward(micro)  # divided by --grad_accum, scaled for fp16
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            loss += micro.item() / len(batches)
+        return loss
+
+    def _run_epoch(self, epoch):
+        seed_epoch(self.train_data, self.args.seed, epoch, self.rank, self.world_size)
+        done = self.steps_run - epoch * self.steps_per_epoch  # before a stop
+        batches = iter(self.train_data)
+        for step in range(self.steps_per_epoch):
+            micro = [next(batches) for _ in range(self.args.grad_accum)]
+            if step < done:
+                continue  # read again, so that the augmentations after it repeat
+            loss = self._run_step(micro)
+            self.steps_run += 1
+            both = torch.tensor([loss, len(STOP)], dtype=torch.float64, device=self.device)
+            both = self.accelerator.reduce(both, "sum")  # the loss, and whether any got a signal
+            self.loss_sum += both[0].item()
+            if both[1].item() > 0:
+                return True
+
+    def _validate(self):
+        totals = torch.zeros(3, dtype=torch.float64)
+        self.model.eval()
+        with torch.no_grad():
+            for batch in self.val_data:
+                losses, logits, targets = self._forward(*batch, reduction="none")
+                # every process's answers, less the repeats that evened out the last batches
+                losses, right = self.accelerator.gather_for_metrics((losses, logits.argmax(1) == targets))
+                totals += torch.tensor([losses.double().sum(), right.sum(), len(right)])
+        self.model.train()
+        loss, correct, count = totals[0].item() / totals[2].item(), int(totals[1]), int(totals[2])
+        accuracy = f"{correct}/{count} ({100 * correct / count:.2f}%)"
+        return loss, f"val_loss {loss:.6g} | val_acc {accuracy} | world_size {self.world_size}"
+
+    def _save(self, path):
+        self.accelerator.save_state(f"{path}.tmp")  # model, optimizer, scaler, random states
+        if self.accelerator.is_main_process:
+            with open(f"{path}.tmp/progress.json", "w") as file:
+                json.dump([self.steps_run, self.best, self.loss_sum], file)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(f"{path}.tmp", path)  # a crash before this keeps PATH.tmp whole
+        self.accelerator.wait_for_everyone()
+
+    def train(self):
+        self.accelerator.print(f"step {self.steps_run} | {self._validate()[1]}")
+        path, total = self.args.snapshot_path, self.args.total_epochs
+        for epoch in range(self.steps_run // self.steps_per_epoch, total):
+            stopping = self._run_epoch(epoch)
+            if self.steps_run % self.steps_per_epoch == 0:  # the epoch's end
+                train_loss, self.loss_sum = self.loss_sum / (self.steps_per_epoch * self.world_size), 0.0
+                loss, line = self._validate()
+                self.accelerator.print(f"epoch {epoch + 1}/{total} | train_loss {train_loss:.6g} | {line}")
+                if loss < self.best:  # kept beside the last snapshot
+                    self.best = loss
+                    self._save(path + "_best")
+                if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == total:
+                    self._save(path)
+            if stopping:
+                self._save(path)
+                why = (STOP or ["a signal to another process"])[0]
+                saved = f"saved in {path}: the same command resumes"
+                return self.accelerator.print(f"stopped by {why} at step {self.steps_run}, {saved}")
+
+
+@record  # torchrun's summary shows this function's error, from its error file
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
+    parser.error = refuse
+    args = get_args(parser)
+    for signum in [signal.SIGTERM, signal.SIGINT]:  # noted; acted on at the next step
+        signal.signal(signum, lambda signum, frame: STOP.append(signal.Signals(signum).name))
+    # cpu=True without CUDA: gloo; mixed precision from --precision, else the config
+    wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))
+    precision = PRECISIONS.get(args.precision)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=precision,
+        gradient_accumulation_steps=args.grad_accum,
+        kwargs_handlers=[wait],
+    )
+    device = accelerator.device
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
+    train_set, val_set, model, optimizer = load_train_objs(args)
+    # not prepared: the DDP recipe's order (prepare() would deal out whole batches)
+    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
+    pin = device.type == "cuda"  # pinned memory: a faster copy to the GPU
+    loading = {"num_workers": args.workers, "worker_init_fn": quiet_worker, "pin_memory": pin}
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, **loading)
+    val_data = DataLoader(val_set, args.batch_size, **loading)  # shared out by prepare()
+    if len(train_data) < args.grad_accum:
+        refuse(f"batch_size x grad_accum exceeds a process's {len(sampler)} training images")
+    Trainer(model, train_data, val_data, optimizer, accelerator, args).train()
+    accelerator.end_training()
+
+
+def refuse(message):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if os.environ["LOCAL_RANK"] != "0":
+        sys.exit(0)  # every process meets it alike: local rank 0 says why, the others end quietly
+    raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
+
+
+def get_args(parser):
+    parser.add_argument("total_epochs", type=int, help="epochs to train in all")
+    parser.add_argument("save_every", type=int, help="epochs between snapshots")
+    parser.add_argument("--batch_size", type=int, default=32, help="per process and micro-batch")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the config's")
+    parser.add_argument("--workers", type=int, default=2, help="loader processes a rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot_path", default="recipe_accelerate_snapshot", help="a folder")
+    args = parser.parse_args()
+    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr"]:
+        if not 0 < getattr(args, key) < math.inf:
+            parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
+    if args.workers < 0:
+        parser.error(f"workers must be 0 or more, got {args.workers}")
+    return args
+
+
+def load_train_objs(args):
+    """The same in every process: the digits split by the seed, a small CNN, AdamW."""
+    # the file scikit-learn ships: read directly, as importing scikit-learn takes seconds
+    folder = importlib.util.find_spec("sklearn").submodule_search_locations[0]
+    path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
+    data = torch.tensor(numpy.loadtxt(path, delimiter=",", dtype=numpy.float32))
+    images, labels = data[:, :-1].reshape(-1, 1, 8, 8) / 16, data[:, -1].long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
+    val, train = order[:359], order[359:]  # of the 1,797 images
+    train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])
+    torch.manual_seed(args.seed)
+    layers = [nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+    layers += [nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten()]
+    model = nn.Sequential(*layers, nn.Linear(32 * 4 * 4, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, foreach=True)
+    return train_set, val_set, model, optimizer
+
+
+def load_snapshot(path, accelerator):
+    if not os.path.exists(path):
+        return 0, math.inf, 0.0
+    try:
+        accelerator.load_state(path)  # into the prepared model, optimizer and scaler
+        with open(os.path.join(path, "progress.json")) as file:
+            state = json.load(file)
+    except Exception as exc:
+        refuse(f"error: cannot resume from {path}: {exc!r}. Move it away to start again.")
+    accelerator.print(f"resuming from {path}: {state[0]} steps already run")
+    return state
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except argparse.ArgumentError as exc:
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            print(exc, file=sys.stderr)  # no torchrun summary to show it (under mpirun, say)
+        sys.exit(2)
