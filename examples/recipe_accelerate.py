@@ -4,7 +4,6 @@ accelerate launch --config_file accelerate/one_node.yaml recipe_accelerate.py 10
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import sys
 from datetime import timedelta
 
 import numpy
+import sklearn.datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # before any group forms, or the exit may abort
@@ -199,11 +199,9 @@ def get_args(parser):
 
 def load_train_objs(args):
     """The same in every process: the digits split by the seed, a small CNN, AdamW."""
-    # the file scikit-learn ships: read directly, as importing scikit-learn takes seconds
-    folder = importlib.util.find_spec("sklearn").submodule_search_locations[0]
-    path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
-    data = torch.tensor(numpy.loadtxt(path, delimiter=",", dtype=numpy.float32))
-    images, labels = data[:, :-1].reshape(-1, 1, 8, 8) / 16, data[:, -1].long()
+    pixels, digits = sklearn.datasets.load_digits(return_X_y=True)  # shipped with scikit-learn
+    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
+    labels = torch.tensor(digits)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
     val, train = order[:359], order[359:]  # of the 1,797 images
     train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])

@@ -361,7 +361,7 @@ def load_snapshot(path):
 LONGEST_FIRST = ["test_docker", "test_gpt", "test_gpt_layouts", "test_fault_tolerance", "test_torchft"]
 LONGEST_FIRST += ["test_gpt_model_parallel", "test_pitfalls", "test_gpt_compile", "test_gpt_sharding"]
 LONGEST_FIRST += ["test_readme", "test_examples", "test_slurm", "test_ray", "test_gpt_memory"]
-LONGEST_FIRST += ["test_gpt_data"]
+LONGEST_FIRST += ["test_gpt_data", "test_recipe"]
 
 
 def pytest_collection_modifyitems(items):

@@ -124,7 +124,7 @@ def test_validation_is_the_same_on_1_2_and_3_processes(bf16, tmp_path):
     expected = EPOCH_RE.findall(out)[-1][1].rsplit(" | world_size", 1)[0]
     for nproc in (1, 3):
         shutil.copy(folder / "recipe_snapshot.pt", tmp_path)
-        printed = START_RE.findall(launch(tmp_path, nproc, *COMMON))
+        printed = START_RE.findall(launch(tmp_path, nproc, *COMMON, "--workers", "0"))  # no loader processes
         assert [(step, text.rsplit(" | world_size", 1)[0]) for step, text in printed] == [("44", expected)]
         assert printed[0][1].endswith(f"world_size {nproc}")
 
