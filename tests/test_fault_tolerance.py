@@ -225,7 +225,7 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     message = json.loads(error_file.read_text())["message"]["message"]
     documented = ast.get_docstring(ast.parse(script.read_text())).splitlines()[2].split()[:2]
     store = f"restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {' '.join(documented)} ..."
-    said = store if refusal == "store" else "total_epochs must be positive, got 0"
+    said = store if refusal == "store" else "total_epochs must be positive and finite, got 0"
     assert message == f"ArgumentError: {said}"
     # torchrun's own reader of error files: what its closing summary prints for this failure
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))

@@ -87,5 +87,5 @@ def test_a_refusal_under_mpirun_is_said_once_on_stderr(mpirun, tmp_path):
     command = mpi_command(mpirun, free_port(), "0", "1")
     proc = run(command, timeout=120, check=False, cwd=tmp_path, env=ROOT_OK)
     assert proc.returncode != 0, proc.stdout[-3000:]
-    assert proc.stdout.count("total_epochs must be positive, got 0") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("total_epochs must be positive and finite, got 0") == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout and not list(tmp_path.iterdir()), proc.stdout[-3000:]

@@ -195,6 +195,6 @@ def test_make_ray_stops_its_cluster_when_the_run_fails(tmp_path):
     make = ["make", "-C", REPO, "ray", "EPOCHS=2", f"RUNS={tmp_path}", f"VENV={VENV}", "NPROC=2"]
     proc = run([*make, "ARGS=--lr -1"], timeout=300, check=False)
     assert proc.returncode != 0
-    assert "error: lr must be positive, got -1.0" in proc.stdout, proc.stdout
+    assert "error: lr must be positive and finite, got -1.0" in proc.stdout, proc.stdout
     assert re.search(r"^Ray head at \S+ stopped", proc.stdout, re.M)
     assert not leftovers(proc.stdout)

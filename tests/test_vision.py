@@ -23,7 +23,7 @@ def test_without_a_lesson_it_says_how_to_call_it_and_the_lessons_own_checks_stil
     bad = run([PYTHON, EXAMPLES / "vision.py", EXAMPLES / "single_gpu.py", 0, 1], timeout=120, check=False,
               cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2, bad.stdout
-    assert "single_gpu.py: error: total_epochs must be positive, got 0" in bad.stdout, bad.stdout
+    assert "single_gpu.py: error: total_epochs must be positive and finite, got 0" in bad.stdout, bad.stdout
     assert not list(tmp_path.iterdir())
 
 
