@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import EXAMPLES, SITES, TORCHRUN, VENV, bound, kill_group, load_snapshot, popen, run
+from conftest import EXAMPLES, SITES, VENV, bound, example_cmd, kill_group, load_snapshot, popen, run
 from safetensors.torch import load_file
 
 RECIPE = EXAMPLES / "recipe.py"
@@ -30,12 +30,9 @@ START_RE = re.compile(r"^step (\d+) \| (val_loss \S+ \| val_acc \d+/\d+ .*)$", r
 STOPPED = "stopped by SIGTERM at step {}, saved in recipe_snapshot.pt: the same command resumes"
 
 
-def torchrun(nproc, *args):
-    return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", RECIPE, *args]
-
-
 def launch(folder, nproc, *args, env=None):
-    return run(torchrun(nproc, *args), timeout=300, cwd=folder, env={**ONE_THREAD, **(env or {})}).stdout
+    cmd = example_cmd("recipe", *args, nproc=nproc)
+    return run(cmd, timeout=300, cwd=folder, env={**ONE_THREAD, **(env or {})}).stdout
 
 
 def assert_same_snapshot(actual, expected, exact=True):
@@ -87,7 +84,7 @@ def test_sigterm_at_a_random_moment_then_the_same_command_ends_bit_for_bit(bf16,
     read) -> the augmentations shift and the weights differ; the loader workers not blocking the signal
     (no quiet_worker) -> a worker dies of it, "DataLoader worker ... is killed by signal: Terminated", and
     the rank fails with a traceback."""
-    cmd = torchrun(2, *COMMON)
+    cmd = example_cmd("recipe", *COMMON)
     proc = popen(
         cmd, cwd=tmp_path, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
