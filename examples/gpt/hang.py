@@ -27,6 +27,7 @@ and each dumps its own), and arm() has faulthandler write the Python stacks to h
 the process aborts. Values already in the environment win.
 """
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -120,10 +121,19 @@ def arm(folder, rank, world, store=None, poll=POLL):
         nccl_dump = hang_dir(folder) / f"fr_rank{rank}"  # where NCCL's watchdog dumps (record())
     if (store is not None and world > 1) or nccl_dump is not None:
         args = (store, folder, rank, world, poll, stop, nccl_dump, time.time())
-        threading.Thread(target=_watch, args=args, name="why-hung", daemon=True).start()
+        watcher = threading.Thread(target=_watch, args=args, name="why-hung", daemon=True)
+        watcher.start()
+        # stopped before the interpreter ends: a daemon thread still inside the store's C++ call when Python
+        # finalises is ended there, and the process aborts ("terminate called without an active exception")
+        atexit.register(_disarm, stop, watcher, poll)
     # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of CPU, 7 s
     # on a loaded 2-core machine): done now, beside the watcher, so that a dump on a timeout is quick
     threading.Thread(target=_warm_up, name="why-hung warm-up", daemon=True).start()
+
+
+def _disarm(stop, watcher, poll):
+    stop.set()
+    watcher.join(timeout=poll + 5)  # one look at the store at most: a reply, or an error from a closed one
 
 
 def _warm_up():
