@@ -147,10 +147,9 @@ recipe: $(ENV) ## after step 3, the script to copy: digits, validation, bf16, --
 	$(call step,recipe)
 
 # the same under accelerate launch, its one-node config, NPROC processes (the snapshot: a folder)
+recipe-accelerate: TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot $(ARGS)
 recipe-accelerate: $(ENV) ## recipe.py in Accelerate's idiom, started by accelerate launch
-	@mkdir -p $(RUNS)/$@
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/accelerate launch --config_file examples/accelerate/one_node.yaml \
-	  --num_processes $(NPROC) examples/recipe_accelerate.py $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot $(ARGS)
+	$(call step,recipe_accelerate)
 
 ray: $(ENV) ## step 3 with Ray Train: a Ray cluster on this machine for the run, stopped after it
 	$(call step,multigpu_ray)

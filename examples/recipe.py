@@ -67,7 +67,7 @@ class Trainer:
     def _backward(self, source, targets, parts):
         loss = self._forward(source, targets)[0] / parts
         self.scaler.scale(loss).backward()
-        return loss.item()
+        return loss.detach()  # a tensor: reading it here would wait for the GPU every micro-batch
 
     def _run_step(self, batches):
         loss = 0.0
@@ -90,7 +90,8 @@ class Trainer:
                 continue  # read again, so that the augmentations after it repeat
             loss = self._run_step(micro)
             self.steps_run += 1
-            both = torch.tensor([loss, len(STOP)], dtype=torch.float64, device=self.device)
+            stop = torch.tensor(len(STOP), dtype=torch.float64, device=self.device)
+            both = torch.stack([loss.double(), stop])
             dist.all_reduce(both)  # one a step: the loss, and whether any process got a signal
             self.loss_sum += both[0].item()
             if both[1].item() > 0:

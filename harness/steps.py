@@ -31,6 +31,7 @@ STEPS = {
     "multigpu_accelerate": "torchrun",
     "multigpu_ray": "ray",  # a Ray cluster on this machine for the run (harness/ray_local.py)
     "recipe": "torchrun",  # after step 3: the script to copy (digits, validation, bf16, resume on SIGTERM)
+    "recipe_accelerate": "accelerate",  # the recipe in accelerate's idiom, by its one-node config
 }
 # torchrun's rendezvous gives up after these seconds, not its defaults of 600 and 60, when a node never comes
 RDZV_CONF = "join_timeout=60,read_timeout=30"
@@ -68,6 +69,10 @@ def command(
     if how == "ray":  # the head offers nproc CPUs: room for nproc workers on the CPU
         local = [*python, os.path.join(root, "harness", "ray_local.py"), f"--num-cpus={nproc}", "--"]
         return [[*local, *python, *scripts, *args, "--nproc", str(nproc)]]
+    if how == "accelerate":  # accelerate launch, with the project's one-node config
+        config = ["--config_file", os.path.join(root, "examples", "accelerate", "one_node.yaml")]
+        launch = [*python, "-m", "accelerate.commands.launch", *config, "--num_processes", str(nproc)]
+        return [[*launch, *scripts, *args]]
     procs = f"--nproc-per-node={nproc}"
     if how == "torchrun":
         return [[*python, "-m", "torch.distributed.run", "--standalone", procs, *scripts, *args]]

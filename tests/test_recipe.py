@@ -16,11 +16,10 @@ import time
 
 import pytest
 import torch
-from conftest import EXAMPLES, SITES, VENV, bound, example_cmd, kill_group, load_snapshot, popen, run
+from conftest import EXAMPLES, SITES, bound, example_cmd, kill_group, load_snapshot, popen, run
 from safetensors.torch import load_file
 
 RECIPE = EXAMPLES / "recipe.py"
-TWIN = EXAMPLES / "recipe_accelerate.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # 2 epochs of 22 steps a process: micro-batches of 16, two a step
 COMMON = ["2", "1", "--batch_size", "16", "--grad_accum", "2"]
@@ -199,13 +198,8 @@ def test_the_accelerate_twin_ends_where_the_ddp_recipe_ends(fp32, tmp_path):
     the same arguments: the same printed validation loss and weights within 1e-6 of the DDP recipe's.
     Mutation: `with accelerator.accumulate(model):` left out -> the optimizer steps at every micro-batch
     and the weights differ."""
-    launch_cmd = [
-        VENV / "bin" / "accelerate",
-        "launch",
-        "--config_file",
-        EXAMPLES / "accelerate" / "one_node.yaml",
-    ]
-    out = run([*launch_cmd, TWIN, *FP32], timeout=300, cwd=tmp_path, env=ONE_THREAD).stdout
+    cmd = example_cmd("recipe_accelerate", *FP32)
+    out = run(cmd, timeout=300, cwd=tmp_path, env=ONE_THREAD).stdout
     folder, expected = fp32
     assert EPOCH_RE.findall(out)[-1][2] == EPOCH_RE.findall(expected)[-1][2], out[-3000:]
     model = load_file(tmp_path / "recipe_accelerate_snapshot" / "model.safetensors")
