@@ -1,4 +1,4 @@
-# Image for the DDP examples: the runtime pins of requirements.txt plus examples/, bytecode compiled.
+# Image for the DDP examples: the runtime group's pins (pins/runtime.txt) plus examples/, bytecode compiled.
 # Default base is NVIDIA's small CUDA image (driver hooks only; the torch wheels bring the CUDA 13.0
 # runtime libraries). Any Debian/Ubuntu base with python3 3.11 or 3.12 works, for example
 #   docker build --build-arg BASE_IMAGE=local/ddp-base:bookworm -t ddp-examples .
@@ -6,7 +6,7 @@
 # torchrun jobs pulls, and `--target ray`, the same plus Ray (compose/ray.yaml):
 #   docker build --target ray -t ddp-examples-ray .
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
-# Packages of the lock that the image leaves out (below)
+# Packages of the pins that the image leaves out (below)
 ARG LEAVE_OUT=triton
 
 # What the image is built from, as one checksum of the build context (docker/image-inputs.sh), for the
@@ -50,7 +50,7 @@ RUN apt-get update \
 # with a C compiler, which this image does not carry: it could not run here. Images that add a compiler
 # for torch.compile build with --build-arg LEAVE_OUT= to keep it.
 ARG LEAVE_OUT
-COPY requirements.txt tools/pins.py docker/install-pins.sh /tmp/pins/
+COPY pins/ docker/install-pins.sh /tmp/pins/
 RUN /tmp/pins/install-pins.sh runtime \
     && python -c 'import torch, torchvision, accelerate; print("torch", torch.__version__)'
 
@@ -72,8 +72,8 @@ ARG USER_NAME=ddp
 ARG LEAVE_OUT
 # hadolint ignore=DL3066
 USER root
-COPY requirements.txt tools/pins.py docker/install-pins.sh /tmp/pins/
-RUN /tmp/pins/install-pins.sh runtime ray && python -c 'import ray.train.torch'
+COPY pins/ docker/install-pins.sh /tmp/pins/
+RUN /tmp/pins/install-pins.sh ray && python -c 'import ray.train.torch'
 USER ${USER_NAME}
 
 # The default target: the runtime image.

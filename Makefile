@@ -24,7 +24,7 @@ RDZV_PORT ?=
 ENDPOINT ?=
 # Where snapshots and logs go, one folder per target.
 RUNS ?= runs
-# The local Python environment (uv into a virtual environment, pinned by requirements.txt).
+# The local Python environment (uv into a virtual environment, pinned by pins/dev.txt).
 VENV ?= .venv
 PYTHON3 ?= python3
 
@@ -115,13 +115,15 @@ help: ## list the targets, by group
 	@echo "  variables: EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) NPROC=$(NPROC) ARGS='$(ARGS)' RUNS=$(RUNS)"
 	@echo "    VENV=$(VENV) GPUS=$(GPUS)"
 
-env: $(ENV) ## create the pinned Python environment in $(VENV): every group of requirements.txt
+env: $(ENV) ## create the pinned Python environment in $(VENV): pins/dev.txt, every group
 
+# uv's pin and hashes (sed: its line to the last of its hash lines), then every pin by uv.
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch's sources anew
-$(ENV): requirements.txt
+$(ENV): pins/dev.txt
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
-	$(call retry,$(PY) -m pip install -q "$$(grep '^uv==' requirements.txt)")
-	$(call retry,$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r requirements.txt)
+	sed -n '/^uv==/,/[^\\]$$/p' pins/dev.txt >$(VENV)/uv-pin.txt
+	$(call retry,$(PY) -m pip install -q --require-hashes -r $(VENV)/uv-pin.txt)
+	$(call retry,$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -r pins/dev.txt)
 	$(PY) -c 'import torch, torchvision, accelerate, ray.train'
 	touch $@
 
@@ -327,8 +329,13 @@ lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 k8s-check: $(ENV) ## check k8s/ as a cluster would: kustomize, strict Kubernetes schemas, the TrainJob CRD
 	$(PY) harness/k8s_check.py
 
-pins: $(ENV) ## re-resolve requirements.txt, its groups runtime, ray and dev, from tools/requirements.in
-	$(PY) tools/pins.py compile --uv $(VENV)/bin/uv
+# pins/dev.txt first, keeping the versions it has where they still fit; the smaller groups constrained to it,
+# so that every group gets the versions `make env` installs. For Python 3.11 and 3.12 alike.
+PIN_FLAGS := -q --universal --python-version 3.11 --generate-hashes --no-annotate --custom-compile-command 'make pins'
+pins: $(ENV) ## re-compile pins/GROUP.txt from pyproject.toml's dependency groups runtime, ray and dev
+	$(VENV)/bin/uv pip compile $(PIN_FLAGS) --group dev -o pins/dev.txt
+	for group in runtime ray; do \
+	  $(VENV)/bin/uv pip compile $(PIN_FLAGS) --group $$group -c pins/dev.txt -o pins/$$group.txt || exit 1; done
 
 # GPT_CACHE: where the GPT trainer keeps downloaded and prepared corpora (examples/gpt/config.py, --cache_dir)
 GPT_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ddp-examples

@@ -184,7 +184,8 @@ def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):
 
 def test_a_bpe_smaller_than_asked_says_why_and_a_terminal_sees_progress(tmp_path):
     """A short text holds fewer merges than GPT-2's 50,257 tokens: prepare.py says so. On a terminal (stderr
-    a pty) it draws its progress, with the throughput; in a pipe nothing (the other tests)."""
+    a pty) it draws tqdm's bars, reading and encoding, each to 100% with the throughput; in a pipe nothing
+    (the other tests). A new pty is 0 by 0, where tqdm alone draws nothing: prepare.py gives it 80 by 24."""
     (tmp_path / "short.txt").write_text("print('hello, world')\n" * 50)
     main, child = pty.openpty()
     cmd = [PYTHON, PREPARE, tmp_path / "short.txt", "--out", tmp_path / "out"]
@@ -198,7 +199,9 @@ def test_a_bpe_smaller_than_asked_says_why_and_a_terminal_sees_progress(tmp_path
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert re.search(r"^the BPE has \d+ tokens, not the 50257 asked: the text holds no more pairs", out, re.M)
-    assert re.search(rb"encoding +\[#+ *\] [\d.]+ MB, [\d.]+ MB/s", terminal), terminal
+    for label in (b"reading", b"encoding"):
+        bar = label + rb": +100%\|[^|]+\| [\d.]+k?/[\d.]+k? \[[^]]*, [\d.]+[kMG]?B/s\]"
+        assert re.search(bar, terminal), terminal
 
 
 def prepare_under_torchrun(tmp_path, text, seconds):

@@ -109,7 +109,7 @@ def test_the_pitfall_and_report_block_of_troubleshooting_md_runs_as_written(tmp_
     pitfall exits 1 with its dumps in runs/why-hung-PID, and `make why-hung` on the folder the next line
     picks names rank 0 at its sleep while rank 1 waits in the barrier. Mutation: the block's RUN= pointing
     at runs/ (no hang/ there): make exits 2, saying it found no dumps, and the test fails."""
-    for name in ("examples", "tools", "Makefile", "requirements.txt"):
+    for name in ("examples", "tools", "Makefile", "pins"):
         (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / ".venv").symlink_to(VENV)
     env = {"PATH": f"{VENV / 'bin'}:{os.environ['PATH']}"}

@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -33,6 +34,7 @@ import numpy as np
 import tokenizer as tok
 import torch
 from checkpoint import atomic_write, fsync_dir
+from tqdm import tqdm
 
 FORMAT = 1
 VAL_FRACTION = 0.1  # the last tenth of the tokens is held out for validation
@@ -208,9 +210,16 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out}: exists and is not a folder")
     start, total = time.perf_counter(), corpus_bytes(sources)
-    reading = Progress("reading", total)
-    tokenizer = make_tokenizer(kind, vocab_size, (text for text, _ in reading.each(pieces(sources))), log)
-    if reading.done == 0:
+    read = 0
+
+    def texts():
+        nonlocal read
+        for text, _ in progress("reading", total, pieces(sources)):
+            read += len(text)
+            yield text
+
+    tokenizer = make_tokenizer(kind, vocab_size, texts(), log)
+    if read == 0:
         raise PrepareError(f"{' '.join(sources)}: no text in it")
     dtype = shard_dtype(tokenizer.vocab_size, dtype)
     spec = tokenizer.to_str()
@@ -271,7 +280,7 @@ def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:
         with open(scratch, "wb") as f:
-            for ids in encode(spec, Progress("encoding", total).each(pieces(sources)), workers):
+            for ids in encode(spec, progress("encoding", total, pieces(sources)), workers):
                 f.write(ids.astype(dtype).tobytes())
         tokens = scratch.stat().st_size // np.dtype(dtype).itemsize
         sizes = {"train": int(tokens * (1 - VAL_FRACTION))}
@@ -342,24 +351,17 @@ def encode_piece(item):
     return ids
 
 
-class Progress:
-    """A progress line with the throughput, on a terminal (stderr) only; counts what went through each()."""
-
-    def __init__(self, label, total):
-        self.label, self.total, self.done = label, max(total, 1), 0
-        self.shown = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def each(self, items):
+def progress(label, total, items):
+    """items, (text, last) pieces, as they come; on a terminal (stderr) only, tqdm's bar of the total bytes
+    gone through, with the throughput (in a pipe, nothing: disable=None). The terminal's size as shutil finds
+    it, (80, 24) where the terminal says 0 by 0 (a new pty): tqdm would take that as no room to draw."""
+    columns, lines = shutil.get_terminal_size()
+    bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, disable=None,
+               ncols=columns - 1, nrows=lines - 1)  # fmt: skip
+    with bar:
         for item in items:
-            self.done += len(item[0])
-            if self.shown:
-                rate = self.done / 1e6 / max(time.perf_counter() - self.start, 1e-9)
-                bar = "#" * min(20, 20 * self.done // self.total)
-                sys.stderr.write(f"\r{self.label:9} [{bar:20}] {self.done / 1e6:.1f} MB, {rate:.1f} MB/s ")
+            bar.update(len(item[0]))
             yield item
-        if self.shown:
-            sys.stderr.write("\n")
 
 
 def unigram_entropy(counts):
