@@ -24,8 +24,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the one sys.path edit of the suite: the tests import steps, k8s_check, lessons (benchmarks/), why_hung,
-# compose_project and fault (demos/: the retry after torch's error-file race)
-sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools", "demos")]
+# compose_project and fault (demos/: the retry after torch's error-file race), and tests/repo/test_gpu.py
+# the GPT tests' helpers (tests/gpt/), also when it runs alone
+sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools", "demos", "tests/gpt")]
 import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"
@@ -330,7 +331,8 @@ def import_gpt_module(name):
 
 
 # single_gpu.py's run that DDP with 2 processes of batch 32 must equal, step for step: run once per session
-# (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
+# (tests/lessons/test_examples.py and tests/deploy/test_ray.py compare with it). Momentum gives the optimizer
+# a state.
 REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
 REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9"]
 EXIT_PROBE = {"PYTHONPATH": str(SITES / "exit_probe")}  # each process reports its threads at exit

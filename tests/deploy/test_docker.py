@@ -630,7 +630,7 @@ def test_ray_across_two_containers(project, ray_image):
     assert proj.snapshot_epochs(SNAPSHOTS["ray"]) == EPOCHS
 
 
-TWO_MACHINES = "<!-- tests/test_docker.py runs the next block on this machine"
+TWO_MACHINES = "<!-- tests/deploy/test_docker.py runs the next block on this machine"
 
 
 @SLOW

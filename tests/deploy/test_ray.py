@@ -115,7 +115,7 @@ def test_make_ray_trains_on_a_cluster_it_starts_and_stops(uninterrupted):
 
 def test_ray_equals_single_process_with_the_global_batch(uninterrupted, single_gpu_reference):
     """2 Ray workers with batch 32 take the steps of single_gpu.py with batch 64 (the session's reference
-    run, which tests/test_examples.py compares the other launchers with)."""
+    run, which tests/lessons/test_examples.py compares the other launchers with)."""
     text, snapshot = uninterrupted
     folder, proc = single_gpu_reference
     assert (EPOCHS, BATCH * NPROC, COMMON) == (REFERENCE_EPOCHS, REFERENCE_BATCH, REFERENCE_ARGS)

@@ -308,7 +308,7 @@ def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_pa
     assert "data_sha256" in json.loads((out / "manifest.json").read_text())
 
 
-DOC_MARKER = "<!-- tests/test_gpt_data.py runs the next block as written -->"
+DOC_MARKER = "<!-- tests/gpt/test_gpt_data.py runs the next block as written -->"
 
 
 def test_the_own_data_commands_of_docs_gpt_md_run_as_written_after_the_default_run(tmp_path):

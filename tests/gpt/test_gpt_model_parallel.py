@@ -332,7 +332,7 @@ def tp_at_world_size_1(tmp_path, env=None):
 
 def test_tp_at_world_size_1_trains_with_fused_adamw(tmp_path):
     """The GPU's optimizer over tp's DTensors, with loss parallel and the device-side checks: the loss
-    falls. tests/test_gpu.py runs the same on NCCL. Mutation: the old plan (embeddings and head left plain
-    tensors): fused AdamW refuses the mix at step 1 and this fails."""
+    falls. tests/repo/test_gpu.py runs the same on NCCL. Mutation: the old plan (embeddings and head left
+    plain tensors): fused AdamW refuses the mix at step 1 and this fails."""
     backend, first, last = tp_at_world_size_1(tmp_path)
     assert backend == "gloo" and last < first - 0.5, (backend, first, last)

@@ -35,7 +35,7 @@ from conftest import (
 )
 
 # Per-process batch size and world size of the DDP runs; single_gpu (the session's reference run, shared
-# with tests/test_ray.py) gets their product as its batch.
+# with tests/deploy/test_ray.py) gets their product as its batch.
 BATCH, NPROC = 32, 2
 EPOCHS = REFERENCE_EPOCHS
 assert BATCH * NPROC == REFERENCE_BATCH

@@ -132,7 +132,7 @@ def test_the_documented_restart_command_resumes_every_time_a_worker_is_killed(tm
             torch.testing.assert_close(resumed[part], expected[part], rtol=0, atol=0)
 
 
-DOC_MARKER = "<!-- tests/test_fault_tolerance.py runs the next block as written"
+DOC_MARKER = "<!-- tests/lessons/test_fault_tolerance.py runs the next block as written"
 
 
 @pytest.mark.timeout(360)
@@ -199,7 +199,7 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     torch.distributed.elastic's record; each node's local rank 0 fails, the others end quietly.
     No process prints it: torchrun's closing summary does, once per node, last. The command the store
     refusal suggests starts as the lesson's documented one. (The lesson's __main__ runs here, in this
-    process, as in tests/test_bad_input.py.)"""
+    process, as in tests/lessons/test_bad_input.py.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     error_file = tmp_path / "error.json"

@@ -28,9 +28,9 @@ def test_without_a_lesson_it_says_how_to_call_it_and_the_lessons_own_checks_stil
 
 
 def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
-    """SyncBatchNorm runs on GPUs only (tests/test_gpu.py trains with it): on the CPU --sync_bn is refused
-    at once, exit 2, nothing written. Mutation: no such check: every process fails in its first forward
-    with a traceback, exit 1, and this fails."""
+    """SyncBatchNorm runs on GPUs only (tests/repo/test_gpu.py trains with it): on the CPU --sync_bn is
+    refused at once, exit 2, nothing written. Mutation: no such check: every process fails in its first
+    forward with a traceback, exit 1, and this fails."""
     cmd = example_cmd("multigpu", 1, 1, "--dataset_size", 16, vision=["--sync_bn"])  # as test_gpu starts it
     proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout

@@ -3,7 +3,7 @@ every block of commands either run by a test or marked with why it is not (a GPU
 
 Pure text checks: each fails naming the page and the line. Break one (a 151-word paragraph, a link to a
 heading that is gone, a block without its comment) and the test names it. "See tests/..." is no reason: a
-block marked `not run verbatim by the tests: see tests/test_x.py::name` fails (tried), since a test that
+block marked `not run verbatim by the tests: see tests/gpt/test_x.py::name` fails (tried), since a test that
 runs something like it is not one that runs it as written.
 """
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [REPO / "README.md", *DOCS]
 PAGE_BYTES = 20_000
 ALL_DOCS_BYTES = 110_000
 README_LINES = 130
 # Above a block of commands: a test that runs it as written (and reads the page), or why none does.
-RUN_BY = re.compile(r"<!-- (tests/test_\w+\.py) runs .*-->")
+RUN_BY = re.compile(r"<!-- (tests/\w+/test_\w+\.py) runs .*-->")
 NOT_RUN = re.compile(
     r"<!-- not run verbatim by the tests: (needs a GPU|needs a cluster|needs two machines"
     r"|(about|over) \d+ min)[^>]*-->"

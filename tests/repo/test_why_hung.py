@@ -101,7 +101,7 @@ def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):
     assert lines[-1].startswith(f"cause: {report[-1].removeprefix('verdict: ')}: "), lines[-1]
 
 
-DOC_MARKER = "<!-- tests/test_why_hung.py runs the next block as written -->"
+DOC_MARKER = "<!-- tests/repo/test_why_hung.py runs the next block as written -->"
 
 
 def test_the_pitfall_and_report_block_of_troubleshooting_md_runs_as_written(tmp_path):
