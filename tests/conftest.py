@@ -359,11 +359,12 @@ def load_snapshot(path):
 # The files that take minutes, longest first (2 cores, 2026-11-29): make test hands whole files to its two
 # workers in this order (--dist loadfile --no-loadscope-reorder), so the longest start at once and short ones
 # fill the end; pytest-xdist's own order, by number of tests, puts files of few long tests (the layout
-# matrix: 2 tests, about 12 minutes) last.
+# matrix: 2 tests, about 12 minutes) last. The files split out of test_gpt and test_gpt_data (prepare, data,
+# checks) are placed by their old file's time, not yet measured on their own.
 LONGEST_FIRST = ["test_docker", "test_gpt", "test_gpt_layouts", "test_fault_tolerance", "test_torchft"]
 LONGEST_FIRST += ["test_gpt_model_parallel", "test_pitfalls", "test_gpt_compile", "test_gpt_sharding"]
 LONGEST_FIRST += ["test_readme", "test_examples", "test_slurm", "test_ray", "test_gpt_memory"]
-LONGEST_FIRST += ["test_gpt_data", "test_recipe"]
+LONGEST_FIRST += ["test_gpt_prepare", "test_recipe", "test_gpt_data", "test_gpt_checks"]
 
 
 def pytest_collection_modifyitems(items):
