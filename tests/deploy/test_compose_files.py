@@ -247,8 +247,10 @@ def test_the_two_node_targets_and_in_docker_steps_build_only_when_needed():
     assert re.search(r"^multigpu: image-current$", docker_steps, re.M)
 
 
-def test_the_demos_show_the_containers_output_without_cpp_frames_or_terminal_codes():
-    """What the two-node demos echo of `docker compose logs --follow`: a c10 error's C++ frames (real ones,
+def test_the_demos_show_container_output_without_cpp_frames():
+    """The demos show the containers' output without C++ frames or terminal codes.
+
+    What the two-node demos echo of `docker compose logs --follow`: a c10 error's C++ frames (real ones,
     from TORCH_SHOW_CPP_STACKTRACES=1) and Compose's line erase left out, the error itself kept.
     Mutation: shown() returning the line as it is: frames are shown, and the test fails."""
     code = "import torch; torch.ones(2).view(3)"

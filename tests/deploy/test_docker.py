@@ -239,8 +239,10 @@ def test_the_image_holds_no_developer_tools(image):
     assert not found.split(), f"in the image: {found}"
 
 
-def test_every_lesson_and_the_gpt_trainer_run_in_the_image_from_its_bytecode(image):
-    """Each lesson (Ray's has its own image) and the GPT trainer train in the image; Python loads
+def test_every_lesson_and_the_gpt_run_in_the_image_from_bytecode(image):
+    """Every lesson and the GPT trainer run in the image from its bytecode.
+
+    Each lesson (Ray's has its own image) and the GPT trainer train in the image; Python loads
     the venv's and the examples' bytecode compiled at build time, and no process writes into the venv."""
     name = f"ddp-lessons-{os.getpid()}"
     script = "set -e; " + "".join(f"echo '>>> {cmd}'; python {cmd}; " for cmd in IN_IMAGE).replace(
@@ -409,8 +411,10 @@ TWO_MACHINES = "<!-- tests/deploy/test_docker.py runs the next block on this mac
 
 
 @SLOW
-def test_the_two_machines_command_of_docs_docker_md_trains_two_nodes_over_the_host_network(image, tmp_path):
-    """docs/docker.md's per-machine `docker run`, as its comment says: both containers on this machine's
+def test_the_two_machines_command_of_docker_md_trains_two_nodes(image, tmp_path):
+    """The two machines command of docs/docker.md trains two nodes over the host network.
+
+    docs/docker.md's per-machine `docker run`, as its comment says: both containers on this machine's
     host network, node 0 at 127.0.0.1 over the loopback interface, no --gpus, 2 processes a node and 2
     epochs, a folder of this test as the shared one. Both end 0; node 0 logs 4 ranks across the 2 nodes
     and the shared snapshot holds both epochs. Mutation: --network host left out: each container's

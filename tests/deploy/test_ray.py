@@ -75,8 +75,10 @@ def train(folder, *args, address, check=True, env=None):
     return run(cmd, timeout=300, cwd=folder, check=check, env=env)
 
 
-def test_without_an_address_a_cluster_is_started_for_the_run_and_stopped_after(tmp_path):
-    """`python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
+def test_without_an_address_a_cluster_is_started_and_stopped(tmp_path):
+    """Without an address a cluster is started for the run and stopped after.
+
+    `python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
     cluster starts on this machine for the run and is gone when the script ends."""
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
     try:  # (a short path: Ray's socket names must fit in 107 bytes)

@@ -108,8 +108,10 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
         assert not torch.allclose(out[:, t], base[:, t]), "the changed position itself must change"
 
 
-def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_samples():
-    """50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
+def test_the_padded_vocabulary_is_invisible_to_loss_grads_samples():
+    """The padded vocabulary is invisible to the loss the gradients and the samples.
+
+    50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
     rows get no gradient and are never sampled. Mutation: the head's bias left at zero (the padding scored
     like any token): the loss differs and this fails."""
     model_mod = import_gpt_module("model")
@@ -129,10 +131,10 @@ def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_sa
     assert out.max().item() < 50
 
 
-def test_the_attention_kernel_is_chosen_by_model_attention_backends_and_named_at_start_up(
-    tmp_path, cache, monkeypatch
-):
-    """The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
+def test_the_attention_kernel_is_chosen_and_named_at_start_up(tmp_path, cache, monkeypatch):
+    """The attention kernel is chosen by model.ATTENTION_BACKENDS and named at start up.
+
+    The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
     dropout, which that kernel does not take); the model's attention runs the kernels in the order
     model.attention_backends gives, and the name follows it. Mutations: the CPU's list without
     FLASH_ATTENTION -> the line says math; attend() without sdpa_kernel -> math asked for, flash ran."""
@@ -171,8 +173,10 @@ def loss_and_gradients(model_mod, chunk, dtype=torch.float32):
     return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-def test_the_loss_in_chunks_equals_the_whole_logits_loss_and_its_gradients():
-    """model.head_loss, 45 positions in chunks of 7 (the last one short), 16 and 1024 (one chunk): the
+def test_the_loss_in_chunks_equals_the_whole_logits_loss():
+    """The loss in chunks equals the whole logits loss and its gradients.
+
+    model.head_loss, 45 positions in chunks of 7 (the last one short), 16 and 1024 (one chunk): the
     loss and every parameter's gradient (the tied embedding and head, the frozen padding bias in the head)
     within 1e-5 of the whole logits' in float32 (6e-8 measured); under bf16 autocast no further from the
     float32 loss than the whole logits' bf16 is (2.5 times its distance at most; 1.5 measured). Mutations:
@@ -193,8 +197,10 @@ def test_the_loss_in_chunks_equals_the_whole_logits_loss_and_its_gradients():
         assert (chunked[name] - grad).norm() <= 2.5 * (bf16[name] - grad).norm() + 1e-6, name
 
 
-def test_the_chunked_loss_trains_a_bias_and_computes_no_gradients_without_grad_mode():
-    """model.chunked_cross_entropy against F.cross_entropy(F.linear(...)) with a bias that trains (a model
+def test_the_chunked_loss_trains_a_bias_and_skips_grads_in_no_grad():
+    """The chunked loss trains a bias and computes no gradients without grad mode.
+
+    model.chunked_cross_entropy against F.cross_entropy(F.linear(...)) with a bias that trains (a model
     of your own may have one): the same loss and gradients of x, weight and bias; under no_grad (evaluation)
     the same loss. Mutation: the bias's gradient not added up: x.grad is right, bias.grad is 0, this fails."""
     model_mod = import_gpt_module("model")
@@ -309,7 +315,8 @@ def test_a_16_bit_comm_hook_keeps_replicas_identical_and_close_to_float32(tmp_pa
     assert 0 < max_diff(hooked, plain) < 2e-2
 
 
-def test_a_compiled_model_trains_like_the_eager_one_and_its_snapshot_resumes_eagerly(tmp_path, cache):
+def test_compiled_model_trains_like_eager_and_resumes_eagerly(tmp_path, cache):
+    """A compiled model trains like the eager one and its snapshot resumes eagerly."""
     (tmp_path / "eager").mkdir()
     steps = ["--max_steps", 6, "--batch_size", 8, "--eval_every", 6]
     train(tmp_path / "eager", cache, *steps)
@@ -408,9 +415,8 @@ def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete",
     ],
 )
-def test_gloos_ways_of_losing_a_collective_to_a_hang_each_dump_and_are_named(
-    error, monkeypatch, tmp_path, capsys
-):
+def test_gloos_ways_of_losing_a_collective_each_dump_and_are_named(error, monkeypatch, tmp_path, capsys):
+    """Gloo's ways of losing a collective to a hang each dump and are named."""
     failure = import_gpt_module("failure")
     monkeypatch.setattr(failure.hang, "dump", lambda *args: [])  # what it would return: nobody silent
     args = argparse.Namespace(snapshot_path=str(tmp_path), dist_timeout=15.0)
@@ -485,8 +491,10 @@ def stop_when_training(cmd, cwd, signum, delay):
         agent.kill()
 
 
-def test_sigterm_or_ctrl_c_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
-    """SIGTERM and Ctrl-C, in turn, at a random moment of four runs on 2 processes; mutations: the
+def test_sigterm_or_ctrl_c_saves_and_the_resumed_run_is_bit_identical(tmp_path, cache):
+    """SIGTERM or Ctrl-C saves the step under way and the resumed run ends bit identical.
+
+    SIGTERM and Ctrl-C, in turn, at a random moment of four runs on 2 processes; mutations: the
     trainer's save on a stop request removed, or SIGINT left to Python's KeyboardInterrupt: both fail."""
     (tmp_path / "full").mkdir()
     train(tmp_path / "full", cache, *PREEMPTED, nproc=2)
@@ -512,8 +520,10 @@ def test_sigterm_or_ctrl_c_saves_the_step_under_way_and_the_resumed_run_ends_bit
             assert_identical(state, resumed["optimizer"]["state"][name])
 
 
-def test_ctrl_c_in_one_process_saves_and_ends_in_two_lines_without_a_traceback(tmp_path, cache):
-    """python train.py alone: Ctrl-C says at once that it saves, then where it saved; exit status 0, no
+def test_ctrl_c_in_one_process_saves_and_ends_without_a_traceback(tmp_path, cache):
+    """Ctrl-C in one process saves and ends in two lines without a traceback.
+
+    python train.py alone: Ctrl-C says at once that it saves, then where it saved; exit status 0, no
     KeyboardInterrupt. Mutation: SIGINT left to Python -> a traceback and no snapshot: fails."""
     cmd = [PYTHON, TRAIN, "--cache_dir", cache, *PREEMPTED]
     code, out, _ = stop_when_training(cmd, tmp_path, signal.SIGINT, 0.2)
@@ -554,8 +564,10 @@ def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_snapshot.pt"]  # no pwned, no metrics
 
 
-def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_summary(tmp_path, cache, ddp2):
-    """Every process finds the snapshot unusable: none prints it; torchrun's closing summary says it, once,
+def test_under_torchrun_another_shapes_snapshot_is_said_once(tmp_path, cache, ddp2):
+    """Under torchrun a snapshot of another shape is said once in torchrun's summary.
+
+    Every process finds the snapshot unusable: none prints it; torchrun's closing summary says it, once,
     last, as the error of local rank 0 (its error file), and the snapshot is left as it was."""
     shutil.copytree(ddp2[0] / "gpt_snapshot", tmp_path / "gpt_snapshot")
     before = files(tmp_path)
@@ -569,7 +581,8 @@ def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_su
     assert files(tmp_path) == before
 
 
-def test_raising_max_steps_on_resume_keeps_the_cosine_and_says_what_changed(tmp_path, cache):
+def test_raising_max_steps_on_resume_keeps_the_cosine_and_says_so(tmp_path, cache):
+    """Raising --max_steps on resume keeps the cosine and says what changed."""
     train(tmp_path, cache, "--max_steps", 20, "--save_every", 20, "--weight_decay", 0.1)
     proc = train(tmp_path, cache, "--max_steps", 30, "--metrics_path", "m.jsonl", "--weight_decay", 0.0)
     assert "note: changed since the snapshot: max_steps 20 -> 30, weight_decay 0.1 -> 0" in proc.stdout

@@ -64,10 +64,10 @@ class RunsCode:
         return os.system, ("touch ran",)
 
 
-def test_nanogpt_char_folders_train_their_own_vocabulary_and_a_meta_pkl_that_runs_code_is_refused(
-    tmp_path, cache
-):
-    """nanoGPT's shakespeare_char layout, given with --data alone, trains a model of meta.pkl's vocabulary
+def test_nanogpt_char_folders_train_and_a_code_running_meta_is_refused(tmp_path, cache):
+    """nanoGPT char folders train their own vocabulary and a meta.pkl that runs code is refused.
+
+    nanoGPT's shakespeare_char layout, given with --data alone, trains a model of meta.pkl's vocabulary
     (its first validation loss near ln(vocabulary), not GPT-2's ln 50257 = 10.8) and decodes its samples
     through itos. meta.pkl is read by an unpickler that admits plain data only: one that would call
     os.system is refused in one line, exit 2, and nothing runs. Mutation: pickle.load in its place: the
@@ -107,8 +107,10 @@ def peak_rss(metrics):
     return {r["rank"]: r["memory"]["peak_bytes"] for r in records if "memory" in r}
 
 
-def test_a_corpus_20_times_larger_leaves_every_processs_peak_memory_unchanged(tmp_path, cache):
-    """Each of 2 DDP processes maps the shards and reads its own windows: with 20M tokens (40 MB;
+def test_a_20x_larger_corpus_leaves_peak_memory_unchanged(tmp_path, cache):
+    """A corpus 20 times larger leaves every process's peak memory unchanged.
+
+    Each of 2 DDP processes maps the shards and reads its own windows: with 20M tokens (40 MB;
     160 MB as the trainer's int64) instead of 1M, no process's peak RSS (VmHWM) grows by more than 2% (690.9
     and 690.9 MiB). Mutation: a page of every 4 kB of the training shard read at start-up: 692 -> 727 MiB."""
     peaks = {}

@@ -190,20 +190,24 @@ def probe(tmp_path, kind):
     return next((line for line in proc.stdout.splitlines() if line.startswith("RESULT")), proc.stdout[-2000:])
 
 
-def test_pp_x_fsdp_gathers_each_block_once_a_step_and_each_stage_draws_its_own_dropout(tmp_path):
+def test_pp_x_fsdp_gathers_each_block_once_with_dropout_per_stage(tmp_path):
     # each stage holds two FSDP units (its block, and the root's embedding or final norm and head): one
     # all-gather each per step, whatever the micro-batches (10 with resharding after every forward)
+    """pp x FSDP gathers each block once a step and each stage draws its own dropout."""
     assert probe(tmp_path, "pp") == "RESULT distinct all-gathers 2"
 
 
-def test_fsdp_keeps_the_last_block_gathered_from_its_forward_to_its_backward(tmp_path):
-    """Forward gathers the root's parameters (embeddings, final norm, head) and both blocks; backward
+def test_fsdp_keeps_the_last_block_gathered_into_its_backward(tmp_path):
+    """FSDP keeps the last block gathered from its forward to its backward.
+
+    Forward gathers the root's parameters (embeddings, final norm, head) and both blocks; backward
     gathers again all but the last block, which backward starts with: 5 all-gathers a step, 6 when every
     unit reshards after its forward (the mutation: this fails)."""
     assert probe(tmp_path, "fsdp") == "RESULT all-gathers 5"
 
 
-def test_initial_values_are_cut_on_the_cpu_one_whole_parameter_at_a_time_and_equal_one_process(tmp_path):
+def test_initial_values_are_cut_on_the_cpu_a_parameter_at_a_time(tmp_path):
+    """Initial values are cut on the CPU one whole parameter at a time and equal one process."""
     assert probe(tmp_path, "init") == "RESULT equal, at most 0 other whole value alive"
 
 

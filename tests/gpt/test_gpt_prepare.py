@@ -69,7 +69,8 @@ def tree(folder):
 
 
 # ---- prepare.py ------------------------------------------------------------------------------------------
-def test_prepare_writes_a_tokenizer_and_shards_that_decode_back_to_the_text(bpe, texts):
+def test_prepare_writes_a_tokenizer_and_shards_that_decode_back(bpe, texts):
+    """prepare.py writes a tokenizer and shards that decode back to the text."""
     manifest = json.loads((bpe / "manifest.json").read_text())
     assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 1000
     tok = import_gpt_module("tokenizer")
@@ -87,7 +88,8 @@ def test_prepare_writes_a_tokenizer_and_shards_that_decode_back_to_the_text(bpe,
     assert len(ids) < sum(map(len, docs)) / 2  # a BPE: fewer tokens than characters
 
 
-def test_prepare_again_on_the_same_input_does_nothing_and_new_input_is_prepared(tmp_path, texts):
+def test_prepare_again_does_nothing_and_new_input_is_prepared(tmp_path, texts):
+    """prepare.py again on the same input does nothing and new input is prepared."""
     out = tmp_path / "out"
     args = [texts, "--out", out, "--tokenizer", "char"]
     prepare(*args)
@@ -101,9 +103,8 @@ def test_prepare_again_on_the_same_input_does_nothing_and_new_input_is_prepared(
     assert tree(out)["train.bin"][0] != before["train.bin"][0]
 
 
-def test_a_prepare_stopped_midway_leaves_no_half_shard_and_a_folder_refused_until_prepared_again(
-    tmp_path, texts, monkeypatch
-):
+def test_a_prepare_stopped_midway_leaves_no_half_shard(tmp_path, texts, monkeypatch):
+    """A prepare stopped midway leaves no half shard and a folder refused until prepared again."""
     prepare_mod, data = import_gpt_module("prepare"), import_gpt_module("data")
     out, fresh = tmp_path / "out", tmp_path / "fresh"
     prepare_mod.prepare([str(texts)], out, "char", log=lambda text: None)
@@ -250,8 +251,10 @@ def two_nodes(tmp_path, folders, name):
     return run_together(nodes, timeout=300, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
 
 
-def test_nodes_given_different_data_are_refused_before_step_1_and_the_same_data_trains(tmp_path):
-    """Two nodes given folders prepared from the same lines in another order: one character tokenizer, the
+def test_nodes_given_different_data_are_refused_before_step_1(tmp_path):
+    """Nodes given different data are refused before step 1 and the same data trains.
+
+    Two nodes given folders prepared from the same lines in another order: one character tokenizer, the
     same shard sizes, other ids. Both refuse before step 1 in one line naming each rank's data digest
     (prepare.py's, from the manifest) and host, and write nothing; given one folder, they train.
     Mutation: the comparison in train.py removed: both nodes train on their own data and exit 0."""
@@ -314,8 +317,10 @@ def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_pa
 DOC_MARKER = "<!-- tests/gpt/test_gpt_prepare.py runs the next block as written -->"
 
 
-def test_the_own_data_commands_of_docs_gpt_md_run_as_written_after_the_default_run(tmp_path):
-    """docs/gpt.md's "Your own data" block, verbatim, in a folder laid out as the repository's root where
+def test_the_own_data_commands_of_docs_gpt_md_run_as_written(tmp_path):
+    """The own data commands of docs/gpt.md run as written after the default run.
+
+    docs/gpt.md's "Your own data" block, verbatim, in a folder laid out as the repository's root where
     the default run's snapshot (gpt_snapshot) already is: every command succeeds and the training run
     keeps to its own snapshot. Mutation: the block without --snapshot_path: the run ends in an error, on
     the default run's snapshot."""
@@ -352,8 +357,9 @@ def test_a_cache_folder_without_its_complete_manifest_is_prepared_again(tmp_path
         assert "input" in json.loads((out / "manifest.json").read_text())
 
 
-def test_a_vocabulary_past_uint16_goes_to_uint32_shards_that_read_decode_and_train(tmp_path, cache):
+def test_a_vocabulary_past_uint16_gets_uint32_shards_that_train(tmp_path, cache):
     # 70,000 distinct characters (no surrogates), shuffled, twice: a character tokenizer with ids past 65535
+    """A vocabulary past uint16 goes to uint32 shards that read decode and train."""
     codes = [c for c in range(0x20, 0x20 + 72_048) if not 0xD800 <= c < 0xE000][:70_000]
     order = np.random.default_rng(2).permutation(2 * len(codes))
     text = "".join(chr(codes[i % len(codes)]) for i in order)
@@ -437,9 +443,8 @@ def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case
 
 
 # ---- tokenizers in runs and snapshots --------------------------------------------------------------------
-def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is_refused(
-    tmp_path, cache, bpe, texts
-):
+def test_bpe_run_samples_text_and_refuses_another_tokenizer(tmp_path, cache, bpe, texts):
+    """A BPE run and export sample text and resuming with another tokenizer is refused."""
     proc = train(tmp_path, cache, "--data", bpe, *SHORT[:-2], "--sample_chars", 30)
     assert "vocabulary 1000, bpe tokenizer," in proc.stdout, proc.stdout[-2000:]
     sample = proc.stdout.split("sample:\n", 1)[1]
@@ -460,10 +465,10 @@ def test_a_bpe_run_and_export_sample_text_and_resuming_with_another_tokenizer_is
     assert "Traceback" not in proc.stdout and tree(tmp_path / "gpt_snapshot") == before
 
 
-def test_a_bpe_snapshot_exported_to_hugging_face_loads_in_transformers_with_the_same_logits_and_tokens(
-    tmp_path, cache, bpe, texts
-):
-    """export.py --format hf writes a folder that transformers' GPT2LMHeadModel and PreTrainedTokenizerFast
+def test_bpe_export_loads_in_transformers_with_same_logits(tmp_path, cache, bpe, texts):
+    """A BPE snapshot exported to Hugging Face loads in transformers with the same logits and tokens.
+
+    export.py --format hf writes a folder that transformers' GPT2LMHeadModel and PreTrainedTokenizerFast
     load: on a text, the same token ids as our tokenizer, and logits within 1e-4 of our model's in float32
     (2 heads: the fused attention's layout is converted). Mutation: the q, k, v rows left head by head: the
     logits differ by about 0.1."""
@@ -510,10 +515,10 @@ def small_gpt2(folder, tokenizer_json):
     return model.eval()
 
 
-def test_a_hugging_face_gpt2_is_fine_tuned_from_its_own_weights_on_data_in_its_own_tokens(
-    tmp_path, bpe, texts
-):
-    """--init_from DIR takes a Hugging Face GPT-2 folder: its config gives the model's shape and activation,
+def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts):
+    """A Hugging Face GPT-2 is fine tuned from its own weights on data in its own tokens.
+
+    --init_from DIR takes a Hugging Face GPT-2 folder: its config gives the model's shape and activation,
     its weights converted give our model the logits transformers gives (2e-7 apart; bound 1e-5),
     prepare.py --tokenizer DIR encodes text with its tokenizer, and train.py fine-tunes it on 2 processes
     sharded (FSDP), resumes, and exports back: at a learning rate of 1e-12 the exported weights are the

@@ -48,7 +48,8 @@ def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache
     assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and ratio > 0
 
 
-def test_the_benchmark_compares_every_strategy_with_ddp_at_the_same_global_batch(tmp_path, cache):
+def test_the_benchmark_compares_every_strategy_with_ddp(tmp_path, cache):
+    """The benchmark compares every strategy with DDP at the same global batch."""
     choices = next(
         a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
     ).choices

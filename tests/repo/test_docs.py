@@ -109,7 +109,8 @@ def test_no_paragraph_over_150_words_and_no_bullet_over_6_lines(page):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)
-def test_every_block_has_a_language_and_every_block_of_commands_is_run_or_says_why(page):
+def test_every_block_has_a_language_and_is_run_or_says_why(page):
+    """Every block has a language and every block of commands is run or says why."""
     text = page.read_text()
     wrong = []
     for number, language, previous in blocks(text)[0]:

@@ -161,8 +161,10 @@ def test_doctor_on_the_gpus(tmp_path):
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
-def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_rank_ran(tmp_path):
-    """docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
+def test_an_nccl_timeout_is_reported_with_flight_recorder_dumps(tmp_path):
+    """An NCCL timeout is reported and the flight recorder dumps what each rank ran.
+
+    docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
     watchdog names the one that timed out and writes the record of the rank that waited."""
     script = PROGRAMS / "nccl_timeout.py"
     env = {
