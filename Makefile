@@ -93,7 +93,7 @@ two_node = export DDP_IMAGE=$(IMAGE) EPOCHS=$(EPOCHS) SAVE_EVERY=$(SAVE_EVERY) \
 
 # `make help`: the targets by group, in this order ("Name:" opens a group, "_" is a space), each description
 # wrapped within 100 characters, the make variables in it expanded. A target with "## " that no group names
-# is listed last, under "Other", so that none is hidden (tests/test_structure.py checks that none is).
+# is listed last, under "Other", so that none is hidden (tests/repo/test_structure.py checks that none is).
 HELP_GROUPS := Lessons: env single_gpu multigpu dataparallel torchrun multinode accelerate ray torchft \
   recipe recipe-accelerate diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
   two-node-cpu two-node-accelerate two-node-down two-node-failover two-node-torchft Engines: slurm-cluster \
@@ -314,7 +314,7 @@ PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
 test: $(ENV) ## run the test suite (about 75 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
-QUICK_TESTS = tests/test_structure.py tests/test_readme.py tests/test_examples.py
+QUICK_TESTS = tests/repo/test_structure.py tests/repo/test_readme.py tests/lessons/test_examples.py
 test-quick: $(ENV) ## the lessons' tests and the README's commands only (5 min on 2 cores beside a CI run)
 	$(LOADED) $(PYTEST) $(QUICK_TESTS) $(TEST_ARGS)
 

@@ -56,7 +56,7 @@ def refuse(message):
     sys.exit(message)
 
 
-# Below: the same in every lesson (tests/test_structure.py checks it).
+# Below: the same in every lesson (tests/repo/test_structure.py checks it).
 def get_args(parser):
     parser.add_argument("total_epochs", type=int, help="epochs to train in all")
     parser.add_argument("save_every", type=int, help="epochs between snapshots")

@@ -1,7 +1,7 @@
 """Run a command beside N busy processes, as on a machine shared with other jobs: each spins on one core
 until the command ends; the command's exit status is this one's.
 
-    python harness/busy.py 2 -- python -m pytest tests/test_examples.py    # `make test LOAD=2`
+    python harness/busy.py 2 -- python -m pytest tests/lessons/test_examples.py    # `make test LOAD=2`
 """
 
 import argparse

@@ -23,11 +23,11 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 
 # the GPU tests: the lessons on NCCL, the GPT's bf16 run, tp at world size 1 on NCCL, no wait in a step
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    tests/test_gpt.py::test_on_gpus_it_trains_in_bf16_and_reports_mfu 2>&1 | tee "$OUT/tests.txt" || true
+  timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/repo/test_gpu.py \
+    tests/gpt/test_gpt.py::test_on_gpus_it_trains_in_bf16_and_reports_mfu 2>&1 | tee "$OUT/tests.txt" || true
 fi
 
-# the layout matrix at world size 1 on NCCL (tests/test_gpt_layouts.py runs it on gloo), on its tiny model
+# the layout matrix at world size 1 on NCCL (tests/gpt/test_gpt_layouts.py runs it on gloo), on its tiny model
 tiny=(--n_layer 4 --n_head 4 --n_embd 32 --block_size 16 --eval_samples 8 --sample_chars 0 --grad_clip 0)
 tiny+=(--lr 3e-3 --warmup_steps 0 --cache_dir "$OUT/cache")
 for run in eager compile; do

@@ -24,8 +24,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the one sys.path edit of the suite: the tests import steps, k8s_check, lessons (benchmarks/), why_hung,
-# compose_project and fault (demos/: the retry after torch's error-file race)
-sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools", "demos")]
+# compose_project and fault (demos/: the retry after torch's error-file race), and tests/repo/test_gpu.py
+# the GPT tests' helpers (tests/gpt/), also when it runs alone
+sys.path[:0] = [str(REPO / folder) for folder in ("harness", "benchmarks", "tools", "demos", "tests/gpt")]
 import steps  # noqa: E402  (harness/steps.py: how each step is started, shared with the Makefile and the bench)
 
 EXAMPLES = REPO / "examples"
@@ -330,7 +331,8 @@ def import_gpt_module(name):
 
 
 # single_gpu.py's run that DDP with 2 processes of batch 32 must equal, step for step: run once per session
-# (tests/test_examples.py and tests/test_ray.py compare with it). Momentum gives the optimizer a state.
+# (tests/lessons/test_examples.py and tests/deploy/test_ray.py compare with it). Momentum gives the optimizer
+# a state.
 REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
 REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9"]
 EXIT_PROBE = {"PYTHONPATH": str(SITES / "exit_probe")}  # each process reports its threads at exit
@@ -357,11 +359,12 @@ def load_snapshot(path):
 # The files that take minutes, longest first (2 cores, 2026-11-29): make test hands whole files to its two
 # workers in this order (--dist loadfile --no-loadscope-reorder), so the longest start at once and short ones
 # fill the end; pytest-xdist's own order, by number of tests, puts files of few long tests (the layout
-# matrix: 2 tests, about 12 minutes) last.
+# matrix: 2 tests, about 12 minutes) last. The files split out of test_gpt and test_gpt_data (prepare, data,
+# checks) are placed by their old file's time, not yet measured on their own.
 LONGEST_FIRST = ["test_docker", "test_gpt", "test_gpt_layouts", "test_fault_tolerance", "test_torchft"]
 LONGEST_FIRST += ["test_gpt_model_parallel", "test_pitfalls", "test_gpt_compile", "test_gpt_sharding"]
 LONGEST_FIRST += ["test_readme", "test_examples", "test_slurm", "test_ray", "test_gpt_memory"]
-LONGEST_FIRST += ["test_gpt_data", "test_recipe"]
+LONGEST_FIRST += ["test_gpt_prepare", "test_recipe", "test_gpt_data", "test_gpt_checks"]
 
 
 def pytest_collection_modifyitems(items):

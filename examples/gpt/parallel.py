@@ -354,7 +354,7 @@ class Pipeline(Parallel):
         self.tp_rank = mesh["tp"].get_local_rank()
         stage = PipelineStage(module, self.stage, self.stages, device, group=self.group)
         # torch's pipeline has no public hook after a micro-batch's backward: this private method is
-        # wrapped, and tests/test_gpt_layouts.py fails on a torch whose schedule no longer calls it once
+        # wrapped, and tests/gpt/test_gpt_layouts.py fails on a torch whose schedule no longer calls it once
         # per micro-batch
         run_backward = stage.backward_maybe_with_nosync
 

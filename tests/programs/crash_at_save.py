@@ -1,7 +1,7 @@
 """Runs train.py, but SIGKILLs process 0 when it is about to write extra.pt of the step-40 snapshot: every
 process has written its shards by then, and the pointer still names step 20.
 
-Started by tests/test_gpt_sharding.py."""
+Started by tests/gpt/test_gpt_sharding.py."""
 
 import os
 import runpy

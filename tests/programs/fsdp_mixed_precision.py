@@ -1,7 +1,7 @@
 """FSDP2's mixed precision as parallel.py sets it, on 2 gloo processes without the trainer: parameters
 gathered in bf16 (or not), gradients reduced in float32, the shards kept in float32.
 
-Started by tests/test_gpt_sharding.py."""
+Started by tests/gpt/test_gpt_sharding.py."""
 
 import os
 import sys

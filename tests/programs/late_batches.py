@@ -1,7 +1,7 @@
 """train.py, with process 1's batches late by $SLOW_MS milliseconds: as a slow disk or a busy core would
 make them
 
-Started by tests/test_gpt_metrics.py."""
+Started by tests/gpt/test_gpt_metrics.py."""
 
 import os
 import runpy

@@ -9,7 +9,7 @@ by a Trainer into its own snapshot folder, which the test compares with one proc
 STEPS: {"fp32": 3, "bf16": 20, ...}, steps by --dtype. Rank 0 prints one line per combination, its name,
 then `trained`, the type of the residual stream between blocks in every process, the run's replica check
 and whether every process ran the after-backward hook once a micro-batch; or `refused` and argparse's
-message. Started by tests/test_gpt_layouts.py."""
+message. Started by tests/gpt/test_gpt_layouts.py."""
 
 import contextlib
 import io

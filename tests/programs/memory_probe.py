@@ -1,7 +1,7 @@
 """pp x FSDP and initialisation on 4 processes, without the trainer: what each process holds of the
 model (argv[1] names the layout), and that the materialised weights equal one process's.
 
-Started by tests/test_gpt_memory.py."""
+Started by tests/gpt/test_gpt_memory.py."""
 
 import os
 import sys

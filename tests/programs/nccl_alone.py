@@ -1,7 +1,7 @@
 """NCCL (written for GPUs, not yet run on one): rank 0 works alone as in rank0_alone.py; rank 1's collective
 times out in NCCL's watchdog, which dumps, tells rank 0's to dump through the store, and aborts rank 1.
 
-Started by tests/test_why_hung.py."""
+Started by tests/repo/test_why_hung.py."""
 
 import os
 import sys

@@ -1,7 +1,7 @@
 """NCCL (GPUs only): rank 0 works alone past the 10 s timeout while rank 1 waits in an all-reduce, and
 rank 1's wait ends with NCCL's timeout error.
 
-Started by tests/test_gpu.py."""
+Started by tests/repo/test_gpu.py."""
 
 import os
 import time

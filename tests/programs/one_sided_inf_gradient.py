@@ -3,7 +3,7 @@ overflow): the loss stays finite, only rank 1's gradient norm is not. FP16=1: fp
 (on a CPU too), from a scale of 1024, doubling after 3 clean steps. Each process writes, after every
 update, the step, the scale and whether its weights moved, into steps{rank}.txt.
 
-Started by tests/test_gpt_model_parallel.py."""
+Started by tests/gpt/test_gpt_model_parallel.py."""
 
 import os
 import runpy

@@ -1,7 +1,7 @@
 """train.py, with the loss of step $NAN_STEP NaN on rank 1 alone (a bad batch, an fp16 overflow in its
 shard): every process must take the same decision.
 
-Started by tests/test_gpt_model_parallel.py."""
+Started by tests/gpt/test_gpt_model_parallel.py."""
 
 import os
 import runpy

@@ -1,7 +1,7 @@
 """GPT-J's block: attention and the MLP side by side on one norm, and a squared-ReLU MLP; the rest is the
 interface docs/gpt.md lists (blocks, tok_emb, pos_emb, ln_f, head, qkv/proj/fc names for tp).
 
-Started by tests/test_gpt_own_model.py."""
+Started by tests/gpt/test_gpt_own_model.py."""
 
 import runpy
 import sys

@@ -1,7 +1,7 @@
 """Runs a Python script of examples/gpt (the rest of the command line) in this process, then prints its peak
 resident memory as the trainer measures it (memory.max_rss, this process's own): `peak RSS <bytes>`.
 
-Started by tests/test_gpt_data.py."""
+Started by tests/gpt/test_gpt_data.py."""
 
 import runpy
 import sys

@@ -1,7 +1,7 @@
 """What train.py does with a snapshot, plus one save into ./resaved right after loading it: the state as
 this number of processes holds it, before any step.
 
-Started by tests/test_gpt_sharding.py."""
+Started by tests/gpt/test_gpt_sharding.py."""
 
 import os
 import sys

@@ -1,7 +1,7 @@
 """memory.MemoryMeter on two FSDP2 processes: each counts its own shards, printed as one JSON line per
 rank (one write per line: both ranks print into the same pipe, unbuffered in CI).
 
-Started by tests/test_memory.py."""
+Started by tests/gpt/test_gpt_memory.py."""
 
 import json
 import os

@@ -1,7 +1,7 @@
 """Runs train.py (the rest of the command line), but every preparation of text into shards first says
 `preparing in local rank N` and waits $SLOW_PREPARE seconds: longer than the others' --timeout.
 
-Started by tests/test_gpt_data.py."""
+Started by tests/gpt/test_gpt_data.py."""
 
 import os
 import runpy

@@ -3,7 +3,7 @@ STALL_LOSES=1, process 0's collective fails instead as gloo's do on the others w
 first: the connection closed by that peer, before process 0's own timeout (process 1 sleeps: alive, its
 watcher answers).
 
-Started by tests/test_gpt.py."""
+Started by tests/gpt/test_gpt.py."""
 
 import os
 import runpy

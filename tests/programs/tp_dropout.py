@@ -1,7 +1,7 @@
 """Dropout under tp on 2 gloo processes: each share of the heads draws its own masks, as distinct heads do
 in one process.
 
-Started by tests/test_gpt_model_parallel.py."""
+Started by tests/gpt/test_gpt_model_parallel.py."""
 
 import os
 

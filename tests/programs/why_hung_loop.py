@@ -2,7 +2,7 @@
 stopped (SIGSTOP) from outside: the other waits past the timeout (argv[2] seconds) and dumps (hang.dump),
 asking the stopped one: the folder (argv[1]) that why_hung.py reads.
 
-Started by tests/test_why_hung.py."""
+Started by tests/repo/test_why_hung.py."""
 
 import os
 import sys

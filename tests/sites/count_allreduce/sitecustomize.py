@@ -1,7 +1,7 @@
 """On PYTHONPATH: each DistributedDataParallel counts the gradient all-reduces its backward passes start
 and prints, at exit, `gradient all-reduces: N (rank R)`. The count goes through a communication hook that
 calls torch's own all-reduce hook (the same sum, the same division by the world size).
-tests/test_recipe.py reads the lines: one all-reduce an optimizer step, whatever --grad_accum is."""
+tests/lessons/test_recipe.py reads the lines: one all-reduce an optimizer step, whatever --grad_accum is."""
 
 import atexit
 import os

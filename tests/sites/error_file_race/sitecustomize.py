@@ -1,4 +1,5 @@
-"""Loaded at start-up by every Python process with this folder on PYTHONPATH (tests/test_fault_tolerance.py).
+"""Loaded at start-up by every Python process with this folder on PYTHONPATH
+(tests/lessons/test_fault_tolerance.py).
 
 torch's race, made certain once: the survivor of a killed peer is caught writing its error file when
 torchrun's SIGTERM comes, so that the agent finds the file empty and dies reading it. Whichever comes first

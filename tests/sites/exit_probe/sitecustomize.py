@@ -2,7 +2,8 @@
 whether it joined a process group (a training process, not a launcher or a helper of multiprocessing).
 
 destroy_process_group() should leave none: one still running while the interpreter shuts down can abort a
-finished run. tests/test_examples.py starts the lessons with this folder on PYTHONPATH and reads the lines.
+finished run. tests/lessons/test_examples.py starts the lessons with this folder on PYTHONPATH and reads the
+lines.
 """
 
 import atexit

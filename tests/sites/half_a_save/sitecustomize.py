@@ -1,6 +1,6 @@
 """sitecustomize for the example's process: its second torch.save writes half a file, then fails or dies
 
-Started by tests/test_snapshots.py."""
+Started by tests/lessons/test_snapshots.py."""
 
 import os
 import signal

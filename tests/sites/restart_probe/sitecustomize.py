@@ -1,4 +1,5 @@
-"""Loaded at start-up by every Python process with this folder on PYTHONPATH (tests/test_fault_tolerance.py).
+"""Loaded at start-up by every Python process with this folder on PYTHONPATH
+(tests/lessons/test_fault_tolerance.py).
 
 In a torchrun worker of the first round (TORCHELASTIC_RESTART_COUNT=0) whose RANK is PROBE_KILL_RANK, a
 thread SIGKILLs the process as soon as PROBE_SNAPSHOT exists: a worker lost right after the first snapshot. In

@@ -1,7 +1,7 @@
 """sitecustomize: every torch.save waits $SLOW_SAVE seconds first, so that a kill lands during a save.
 With $SLOW_SAVE_MARK set, the first save to begin creates that file first: when the wait started.
 
-Started by tests/test_fault_tolerance.py."""
+Started by tests/lessons/test_fault_tolerance.py."""
 
 import os
 import time

@@ -1,6 +1,6 @@
 """sitecustomize for every process: a mark after each write to stdout, so a line written in pieces shows
 
-Started by tests/test_examples.py."""
+Started by tests/lessons/test_examples.py."""
 
 import sys
 

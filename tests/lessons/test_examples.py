@@ -35,7 +35,7 @@ from conftest import (
 )
 
 # Per-process batch size and world size of the DDP runs; single_gpu (the session's reference run, shared
-# with tests/test_ray.py) gets their product as its batch.
+# with tests/deploy/test_ray.py) gets their product as its batch.
 BATCH, NPROC = 32, 2
 EPOCHS = REFERENCE_EPOCHS
 assert BATCH * NPROC == REFERENCE_BATCH
@@ -118,8 +118,10 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     assert runs[name].log.losses == pytest.approx(runs["single_gpu"].log.losses, rel=1e-4)
 
 
-def test_accelerate_launch_with_the_committed_configs_takes_the_steps_of_one_process(runs, tmp_path):
-    """`accelerate launch --config_file examples/accelerate/one_node.yaml` (2 processes of batch 32), then
+def test_accelerate_launch_configs_take_one_process_steps(runs, tmp_path):
+    """Accelerate launch with the committed configs takes the steps of one process.
+
+    `accelerate launch --config_file examples/accelerate/one_node.yaml` (2 processes of batch 32), then
     two_nodes.yaml as two local nodes (node1 with --machine_rank 1; 4 processes of batch 16, node0's
     address and port given on the command line): each ends with the single-process run's weights at the
     global batch of 64, the nodes meeting as the YAML says. Mutation: two_nodes.yaml's num_processes 2 (one
@@ -285,8 +287,10 @@ def test_every_torchrun_launcher_sets_one_thread_a_process(path):
     assert re.search(r'OMP_NUM_THREADS(=\$+\{OMP_NUM_THREADS:-1\}|", "1"|: "1"|\n\s+value: "1")', text), path
 
 
-def test_torchruns_static_form_trains_two_local_nodes_and_ends_without_a_traceback(tmp_path):
-    """docs/lessons.md's other form, `--node-rank N --master-addr A --master-port P`, on two local nodes of
+def test_torchruns_static_form_trains_two_nodes_without_a_traceback(tmp_path):
+    """Torchrun's static form trains two local nodes and ends without a traceback.
+
+    docs/lessons.md's other form, `--node-rank N --master-addr A --master-port P`, on two local nodes of
     2 processes, 3 times (each in a folder of its own): both nodes exit 0, node 1 holds global ranks 2 and
     3, and neither prints a traceback but the one docs/lessons.md names: torch's exit barrier on node 1
     when node 0, which holds the store, has already left (pytorch#69520; 1 run in 10 at a load of 5).
@@ -365,7 +369,8 @@ def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path
     assert {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")} == before
 
 
-def test_dataparallel_without_2_gpus_refuses_says_what_to_run_instead_and_writes_nothing(tmp_path):
+def test_dataparallel_without_2_gpus_refuses_and_writes_nothing(tmp_path):
+    """DataParallel without 2 GPUs refuses says what to run instead and writes nothing."""
     cmd = example_cmd("multigpu_dataparallel", 2, 1)  # no GPU visible
     proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout  # a refusal is not a success

@@ -72,8 +72,10 @@ def test_a_killed_group_heals_from_its_live_peer_which_waits_for_it(tmp_path):
     assert result.stdout.count("[demo] SIGKILL to group1 and its processes, as when its node is lost") == 2
 
 
-def test_a_group_back_after_the_others_ended_is_told_it_had_nobody_to_heal_from(tmp_path):
-    """On a fast machine the others can finish before a restarted group joins them (on an H200 machine at
+def test_a_group_back_after_the_end_is_told_none_can_heal_it(tmp_path):
+    """A group back after the others ended is told it had nobody to heal from.
+
+    On a fast machine the others can finish before a restarted group joins them (on an H200 machine at
     --epochs 12): it then trains alone, and the account says why nothing healed instead of offering one
     group's weights check as the result. Here group 1 is started again only once group 0 has ended
     (--alone more than the epochs left: a quorum of one, so group 0 goes on without it)."""
@@ -87,8 +89,10 @@ def test_a_group_back_after_the_others_ended_is_told_it_had_nobody_to_heal_from(
     assert figure.startswith("group1 took no live state") and figure.endswith("raise --epochs"), figure
 
 
-def test_a_restarted_lighthouse_stops_the_groups_which_resume_from_their_snapshots(tmp_path):
-    """make torchft FT_ARGS=--restart_lighthouse: the lighthouse killed after epoch 7 and started again;
+def test_a_restarted_lighthouse_stops_groups_that_then_resume(tmp_path):
+    """A restarted lighthouse stops the groups which resume from their snapshots.
+
+    make torchft FT_ARGS=--restart_lighthouse: the lighthouse killed after epoch 7 and started again;
     torchft 0.2.0's groups do not find the new one: each stops at its quorum timeout naming the lighthouse,
     and, started again, resumes from its epoch-5 snapshot (the one started later may then heal from the
     other); both end at the last epoch, identical."""
@@ -114,7 +118,8 @@ def test_no_lighthouse_is_a_bounded_wait_that_names_the_address(tmp_path):
     assert not list(tmp_path.glob("*.pt"))  # nothing trained, nothing written
 
 
-def test_fewer_groups_than_min_replicas_is_a_bounded_wait_that_names_the_count(tmp_path):
+def test_fewer_groups_than_min_replicas_is_a_named_bounded_wait(tmp_path):
+    """Fewer groups than --min_replicas is a bounded wait that names the count."""
     port = free_port()
     house = [str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "2"]
 

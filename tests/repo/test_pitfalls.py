@@ -1,6 +1,6 @@
 """examples/pitfalls: each script, run as it is, fails within its bound and names its cause in its last
 line; with --fixed it succeeds (batchnorm_stats's fix, SyncBatchNorm, needs 2 GPUs: here it says so, and
-tests/test_gpu.py runs it). One pass of demos/pitfalls.py (what `make pitfalls` runs) checks them all."""
+tests/repo/test_gpu.py runs it). One pass of demos/pitfalls.py (what `make pitfalls` runs) checks them all."""
 
 import json
 import subprocess

@@ -28,7 +28,7 @@ def test_doctor_passes_with_a_reachable_endpoint():
 def test_the_doctor_block_of_troubleshooting_md_passes_as_written():
     """docs/troubleshooting.md's first command, verbatim, from the repository root: every check passes.
     Mutation: the block given an interface that is not there (GLOO_SOCKET_IFNAME=eth9): exit 1."""
-    marker = "<!-- tests/test_doctor.py runs the next block as written -->"
+    marker = "<!-- tests/repo/test_doctor.py runs the next block as written -->"
     block = doc_block("docs/troubleshooting.md", marker)
     proc = run(["bash", "-c", "set -e\n" + block], timeout=300, cwd=REPO, check=False)
     assert proc.returncode == 0 and "checks pass" in proc.stdout, proc.stdout[-3000:]

@@ -71,7 +71,8 @@ def test_mpirun_trains_multinode_to_the_weights_of_two_torchrun_nodes(mpirun, tm
         torch.testing.assert_close(mpi[part], torchrun[part], rtol=0, atol=0)
 
 
-def test_the_wrapper_outside_mpirun_or_without_master_addr_says_what_is_missing(tmp_path):
+def test_the_wrapper_outside_mpirun_says_what_is_missing(tmp_path):
+    """The wrapper outside mpirun or without MASTER_ADDR says what is missing."""
     alone = subprocess.run([WRAPPER, "x.py"], capture_output=True, text=True, check=False)
     assert alone.returncode == 2 and "start me with mpirun" in alone.stderr
     env = {**os.environ, "OMPI_COMM_WORLD_RANK": "0"}

@@ -68,8 +68,10 @@ def test_mismatched_collectives_names_each_rank_and_its_collective(tmp_path):
     assert lines[-1].startswith(f"cause: mismatched collectives: {verdict}; fix: "), lines[-1]
 
 
-def test_silent_processes_lead_the_verdict_though_the_others_wait_in_different_collectives():
-    """A paused node (seen in Docker): a ring all-reduce can end on rank 1, which got every chunk, while
+def test_silent_processes_lead_the_verdict_over_mixed_waits():
+    """Silent processes lead the verdict though the others wait in different collectives.
+
+    A paused node (seen in Docker): a ring all-reduce can end on rank 1, which got every chunk, while
     rank 0 still waits for one from the paused node; rank 1 is in the next collective. The silent ranks are
     the cause, named first; the others' places follow. With every process alive, the mismatch is the
     verdict, as before."""
@@ -101,11 +103,13 @@ def test_rank0_alone_names_the_busy_process_though_it_never_timed_out(tmp_path):
     assert lines[-1].startswith(f"cause: {report[-1].removeprefix('verdict: ')}: "), lines[-1]
 
 
-DOC_MARKER = "<!-- tests/test_why_hung.py runs the next block as written -->"
+DOC_MARKER = "<!-- tests/repo/test_why_hung.py runs the next block as written -->"
 
 
-def test_the_pitfall_and_report_block_of_troubleshooting_md_runs_as_written(tmp_path):
-    """docs/troubleshooting.md's block, line by line, in a folder laid out as the repository's root: the
+def test_the_pitfall_and_report_block_of_troubleshooting_md_runs(tmp_path):
+    """The pitfall and report block of troubleshooting.md runs as written.
+
+    docs/troubleshooting.md's block, line by line, in a folder laid out as the repository's root: the
     pitfall exits 1 with its dumps in runs/why-hung-PID, and `make why-hung` on the folder the next line
     picks names rank 0 at its sleep while rank 1 waits in the barrier. Mutation: the block's RUN= pointing
     at runs/ (no hang/ there): make exits 2, saying it found no dumps, and the test fails."""

@@ -109,7 +109,8 @@ def test_the_slow_process_is_named_with_its_host_at_every_log_line(slowed):
     assert [(int(step), int(rank)) for step, rank, *_ in named] == [(r["step"], 1) for r in logs], out[-3000:]
 
 
-def test_each_process_writes_a_trace_with_its_collectives_and_prints_its_breakdown(slowed):
+def test_each_process_writes_a_trace_and_prints_its_breakdown(slowed):
+    """Each process writes a trace with its collectives and prints its breakdown."""
     folder, out, _ = slowed
     for rank in (0, 1):
         trace = json.loads((folder / "traces" / f"rank{rank}.json").read_text())  # Chrome's format

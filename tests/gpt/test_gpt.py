@@ -1,19 +1,17 @@
-"""The GPT trainer (examples/gpt): causal model, DDP equal to one process, exact resume (also after a
-SIGKILL under torchrun), data sources, bad input, metrics. Tiny model shapes keep the whole file at about
-5 minutes on 2 cores (298 s measured at load average 1 to 4)."""
+"""The GPT trainer (examples/gpt): causal model, DDP equal to one process, accumulation, metrics, exact
+resume (also after a SIGKILL under torchrun, SIGTERM or Ctrl-C), hangs named, snapshots it cannot use; and the
+helpers the other GPT test files import (train, saved, the corpus cache fixture). Data sources are
+test_gpt_data.py's, refusals test_gpt_checks.py's, the benchmark test_gpt_throughput.py's. Tiny model
+shapes: the file took 298 s on 2 cores at load average 1 to 4 before those moved out."""
 
 import argparse
-import http.server
 import json
-import math
 import os
 import pickle
 import random
 import re
 import shutil
 import signal
-import socket
-import threading
 import time
 
 import psutil
@@ -28,7 +26,6 @@ from conftest import (
     PYTHON,
     REPO,
     TORCHRUN,
-    free_port,
     import_gpt_module,
     needs_gpu,
     run,
@@ -111,8 +108,10 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
         assert not torch.allclose(out[:, t], base[:, t]), "the changed position itself must change"
 
 
-def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_samples():
-    """50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
+def test_the_padded_vocabulary_is_invisible_to_loss_grads_samples():
+    """The padded vocabulary is invisible to the loss the gradients and the samples.
+
+    50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
     rows get no gradient and are never sampled. Mutation: the head's bias left at zero (the padding scored
     like any token): the loss differs and this fails."""
     model_mod = import_gpt_module("model")
@@ -132,10 +131,10 @@ def test_the_padded_vocabulary_is_invisible_to_the_loss_the_gradients_and_the_sa
     assert out.max().item() < 50
 
 
-def test_the_attention_kernel_is_chosen_by_model_attention_backends_and_named_at_start_up(
-    tmp_path, cache, monkeypatch
-):
-    """The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
+def test_the_attention_kernel_is_chosen_and_named_at_start_up(tmp_path, cache, monkeypatch):
+    """The attention kernel is chosen by model.ATTENTION_BACKENDS and named at start up.
+
+    The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
     dropout, which that kernel does not take); the model's attention runs the kernels in the order
     model.attention_backends gives, and the name follows it. Mutations: the CPU's list without
     FLASH_ATTENTION -> the line says math; attend() without sdpa_kernel -> math asked for, flash ran."""
@@ -174,8 +173,10 @@ def loss_and_gradients(model_mod, chunk, dtype=torch.float32):
     return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-def test_the_loss_in_chunks_equals_the_whole_logits_loss_and_its_gradients():
-    """model.head_loss, 45 positions in chunks of 7 (the last one short), 16 and 1024 (one chunk): the
+def test_the_loss_in_chunks_equals_the_whole_logits_loss():
+    """The loss in chunks equals the whole logits loss and its gradients.
+
+    model.head_loss, 45 positions in chunks of 7 (the last one short), 16 and 1024 (one chunk): the
     loss and every parameter's gradient (the tied embedding and head, the frozen padding bias in the head)
     within 1e-5 of the whole logits' in float32 (6e-8 measured); under bf16 autocast no further from the
     float32 loss than the whole logits' bf16 is (2.5 times its distance at most; 1.5 measured). Mutations:
@@ -196,8 +197,10 @@ def test_the_loss_in_chunks_equals_the_whole_logits_loss_and_its_gradients():
         assert (chunked[name] - grad).norm() <= 2.5 * (bf16[name] - grad).norm() + 1e-6, name
 
 
-def test_the_chunked_loss_trains_a_bias_and_computes_no_gradients_without_grad_mode():
-    """model.chunked_cross_entropy against F.cross_entropy(F.linear(...)) with a bias that trains (a model
+def test_the_chunked_loss_trains_a_bias_and_skips_grads_in_no_grad():
+    """The chunked loss trains a bias and computes no gradients without grad mode.
+
+    model.chunked_cross_entropy against F.cross_entropy(F.linear(...)) with a bias that trains (a model
     of your own may have one): the same loss and gradients of x, weight and bias; under no_grad (evaluation)
     the same loss. Mutation: the bias's gradient not added up: x.grad is right, bias.grad is 0, this fails."""
     model_mod = import_gpt_module("model")
@@ -312,7 +315,8 @@ def test_a_16_bit_comm_hook_keeps_replicas_identical_and_close_to_float32(tmp_pa
     assert 0 < max_diff(hooked, plain) < 2e-2
 
 
-def test_a_compiled_model_trains_like_the_eager_one_and_its_snapshot_resumes_eagerly(tmp_path, cache):
+def test_compiled_model_trains_like_eager_and_resumes_eagerly(tmp_path, cache):
+    """A compiled model trains like the eager one and its snapshot resumes eagerly."""
     (tmp_path / "eager").mkdir()
     steps = ["--max_steps", 6, "--batch_size", 8, "--eval_every", 6]
     train(tmp_path / "eager", cache, *steps)
@@ -411,9 +415,8 @@ def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete",
     ],
 )
-def test_gloos_ways_of_losing_a_collective_to_a_hang_each_dump_and_are_named(
-    error, monkeypatch, tmp_path, capsys
-):
+def test_gloos_ways_of_losing_a_collective_each_dump_and_are_named(error, monkeypatch, tmp_path, capsys):
+    """Gloo's ways of losing a collective to a hang each dump and are named."""
     failure = import_gpt_module("failure")
     monkeypatch.setattr(failure.hang, "dump", lambda *args: [])  # what it would return: nobody silent
     args = argparse.Namespace(snapshot_path=str(tmp_path), dist_timeout=15.0)
@@ -488,8 +491,10 @@ def stop_when_training(cmd, cwd, signum, delay):
         agent.kill()
 
 
-def test_sigterm_or_ctrl_c_saves_the_step_under_way_and_the_resumed_run_ends_bit_identical(tmp_path, cache):
-    """SIGTERM and Ctrl-C, in turn, at a random moment of four runs on 2 processes; mutations: the
+def test_sigterm_or_ctrl_c_saves_and_the_resumed_run_is_bit_identical(tmp_path, cache):
+    """SIGTERM or Ctrl-C saves the step under way and the resumed run ends bit identical.
+
+    SIGTERM and Ctrl-C, in turn, at a random moment of four runs on 2 processes; mutations: the
     trainer's save on a stop request removed, or SIGINT left to Python's KeyboardInterrupt: both fail."""
     (tmp_path / "full").mkdir()
     train(tmp_path / "full", cache, *PREEMPTED, nproc=2)
@@ -515,8 +520,10 @@ def test_sigterm_or_ctrl_c_saves_the_step_under_way_and_the_resumed_run_ends_bit
             assert_identical(state, resumed["optimizer"]["state"][name])
 
 
-def test_ctrl_c_in_one_process_saves_and_ends_in_two_lines_without_a_traceback(tmp_path, cache):
-    """python train.py alone: Ctrl-C says at once that it saves, then where it saved; exit status 0, no
+def test_ctrl_c_in_one_process_saves_and_ends_without_a_traceback(tmp_path, cache):
+    """Ctrl-C in one process saves and ends in two lines without a traceback.
+
+    python train.py alone: Ctrl-C says at once that it saves, then where it saved; exit status 0, no
     KeyboardInterrupt. Mutation: SIGINT left to Python -> a traceback and no snapshot: fails."""
     cmd = [PYTHON, TRAIN, "--cache_dir", cache, *PREEMPTED]
     code, out, _ = stop_when_training(cmd, tmp_path, signal.SIGINT, 0.2)
@@ -557,8 +564,10 @@ def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_snapshot.pt"]  # no pwned, no metrics
 
 
-def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_summary(tmp_path, cache, ddp2):
-    """Every process finds the snapshot unusable: none prints it; torchrun's closing summary says it, once,
+def test_under_torchrun_another_shapes_snapshot_is_said_once(tmp_path, cache, ddp2):
+    """Under torchrun a snapshot of another shape is said once in torchrun's summary.
+
+    Every process finds the snapshot unusable: none prints it; torchrun's closing summary says it, once,
     last, as the error of local rank 0 (its error file), and the snapshot is left as it was."""
     shutil.copytree(ddp2[0] / "gpt_snapshot", tmp_path / "gpt_snapshot")
     before = files(tmp_path)
@@ -572,330 +581,8 @@ def test_under_torchrun_a_snapshot_of_another_shape_is_said_once_in_torchruns_su
     assert files(tmp_path) == before
 
 
-# ---- data sources and bad input ----------------------------------------------------------------------
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text((REPO / "benchmarks" / "lessons.py").read_text() * 2)
-    return path
-
-
-def test_a_local_text_file_is_a_corpus(tmp_path, cache, text_file):
-    proc = train(tmp_path, cache, "--data", text_file, "--max_steps", 5, "--batch_size", 4)
-    vocab = len(set(text_file.read_text()))
-    assert f"vocabulary {vocab}," in proc.stdout, proc.stdout[-2000:]
-
-
-@pytest.fixture
-def http_server(text_file):
-    requests = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(text_file.parent), **kwargs)
-
-        def log_message(self, *args):
-            requests.append(self.path)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/{text_file.name}", requests, server
-    server.shutdown()
-    server.server_close()
-
-
-def test_an_http_url_is_downloaded_once_and_cached(tmp_path, text_file, http_server):
-    url, requests, server = http_server
-    cache = tmp_path / "cache"
-    args = ["--data", url, "--max_steps", 3, "--batch_size", 4, "--sample_chars", 0]
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        train(tmp_path / name, cache, *args)
-        server.shutdown()  # the second run must work from the cache alone
-    assert len(requests) == 1, requests
-    cached = [p for p in cache.iterdir() if p.suffix == ".txt"]
-    assert len(cached) == 1 and cached[0].read_bytes() == text_file.read_bytes()
-
-
-def test_an_unreachable_url_fails_within_the_timeout_and_writes_nothing(tmp_path):
-    with socket.socket() as silent:  # accepts connections, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}/corpus.txt"
-        (tmp_path / "run").mkdir()
-        start = time.monotonic()
-        proc = train(tmp_path / "run", tmp_path / "cache", "--data", url, "--timeout", 2, check=False)
-        seconds = time.monotonic() - start
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert f"--data {url}: cannot download it within 2 s" in proc.stdout, proc.stdout[-2000:]
-    assert seconds < 60
-    assert not list((tmp_path / "run").iterdir())
-    # in the cache, only the lock and the failure it leaves for processes that waited on it
-    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix not in (".lock", ".failed")]
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ("missing.txt", "--data missing.txt: no such file"),
-        ("short.txt", "is shorter than one sample of block_size + 1 = 65"),
-        ("http://127.0.0.1:PORT/x.txt", "cannot download it within"),  # a free port: nothing listens
-    ],
-)
-def test_bad_data_exits_2_and_writes_nothing(tmp_path, data, message):
-    data = data.replace("PORT", str(free_port()))  # here, not in the test's name: the same in every worker
-    (tmp_path / "short.txt").write_text("x = 1\n" * 20)
-    proc = train(tmp_path, tmp_path / "cache", "--data", data, "--metrics_path", "m", check=False)
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert message in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["short.txt"]
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--max_steps", "0"], "--max_steps must be positive, got 0"),
-        (["--batch_size", "-4"], "--batch_size must be positive, got -4"),
-        (["--grad_accum", "0"], "--grad_accum must be positive, got 0"),
-        (["--n_head", "0"], "--n_head must be positive, got 0"),  # before --n_embd % --n_head
-        (["--n_embd", "30", "--n_head", "4"], "--n_embd 30 is not a multiple of --n_head 4"),
-        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
-        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
-        (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
-        (["--lr", "inf"], "--lr must be a finite number, got inf"),
-        (["--lr", "nan"], "--lr must be a finite number, got nan"),
-        (["--weight_decay", "inf"], "--weight_decay must be a finite number, got inf"),
-        (["--parallel", "pp"], "--parallel pp needs at least 2 processes"),  # WORLD_SIZE unset: one process
-        (["--snapshot_path", "blocker/s.pt"], "--snapshot_path blocker/s.pt: "),
-        (["--metrics_path", "blocker/deeper/m.jsonl"], "--metrics_path blocker/deeper/m.jsonl: "),
-        (["--restarts"], "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"),
-        (["--profile_steps", "3:2"], "argument --profile_steps: expected 1 <= FIRST <= LAST, got '3:2'"),
-        (["--profile_steps", "3"], "argument --profile_steps: expected FIRST:LAST, two step numbers"),
-        (["--profile_dir", "blocker/t"], "--profile_dir blocker/t: "),
-        (["--slow_factor", "0.5"], "--slow_factor must be 0 or 1 or more, got 0.5"),
-        (["--memory_snapshot", "m.pickle"], "--memory_snapshot records CUDA allocations: it needs a GPU"),
-        (["--compile_mode", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs is for --compile"),
-    ],
-)
-def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a machine with GPUs
-    (tmp_path / "blocker").write_text("a file where a folder would have to be")
-    if args == ["--restarts"]:  # what torchrun --max-restarts=3 tells its workers when it shares its store
-        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
-        args = []
-    config = import_gpt_module("config")
-    with pytest.raises(SystemExit) as exc:
-        config.parse_args(args)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("args", "warmup", "said"),
-    [
-        (["--max_steps", "20"], 2, "the preset's warm-up cut to 2 steps from 20: 10% of --max_steps"),
-        (["--max_steps", "300"], 20, None),  # the preset's own run: as it was
-        (["--max_steps", "20", "--warmup_steps", "5"], 5, None),  # given: kept (resumed runs rely on it)
-    ],
-)
-def test_the_presets_warmup_is_at_most_a_tenth_of_the_run(args, warmup, said, capsys):
-    """--max_steps 20 with the preset's 20 warm-up steps would never reach the learning rate."""
-    _, parsed = import_gpt_module("config").parse_args([*args, "--model", "cpu"])
-    assert parsed.warmup_steps == warmup
-    out = capsys.readouterr().out
-    assert (said in out) if said else "warm-up cut" not in out, out
-
-
-def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_path):
-    (tmp_path / "ro").mkdir()
-    (tmp_path / "ro" / "file").write_text("")
-    args = ["--snapshot_path", "ro/file/gpt.pt", "--metrics_path", "m.jsonl", "--max_steps", "5"]
-    proc = run([PYTHON, TRAIN, *args], timeout=120, check=False, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert "--snapshot_path ro/file/gpt.pt: " in proc.stdout and "is not a directory" in proc.stdout
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "ro"]  # no metrics, no snapshot
-
-
-def test_replicas_that_differ_are_named():
-    parallel, config = import_gpt_module("parallel"), import_gpt_module("config")
-    hsdp = config.Layout(dp_replicate=2, dp_shard=2)  # ranks 0 and 2 hold one shard, 1 and 3 the other
-    same = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "b"}]
-    assert parallel.replica_mismatches(hsdp, same) == (4, [])
-    differ = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "c"}]
-    assert parallel.replica_mismatches(hsdp, differ) == (4, ["dp_shard weights of ranks [1, 3]: ['b', 'c']"])
-    pp = config.Layout(pp=2)  # the tied embedding: the first stage's copy and the last's
-    assert parallel.replica_mismatches(pp, [{"": "x", "tied": "t"}, {"": "y", "tied": "u"}])[1] == [
-        "tied weights of ranks [0, 1]: ['t', 'u']"
-    ]
-
-
-def test_an_existing_snapshot_folder_must_itself_be_writable(tmp_path, monkeypatch):
-    config = import_gpt_module("config")
-    snapshots = tmp_path / "gpt_snapshot"
-    snapshots.mkdir()
-    assert config.unwritable(str(snapshots)) is None
-    access = os.access  # as root every folder is writable: refuse this one folder as a read-only mount would
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(snapshots) and access(path, mode))
-    assert config.unwritable(str(snapshots)) == f"{snapshots} is not writable"
-    assert config.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
-
-
-def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_path, cache):
-    train(tmp_path, cache, "--max_steps", 10, "--save_every", 10)
-    # from step 10 on, an lr of 1e30, a snapshot due after every step: step 11's update gives weights of
-    # about 1e29, finite, whose loss at step 12 is not; the snapshot of step 11 must never be written
-    proc = train(tmp_path, cache, "--max_steps", 30, "--save_every", 1, "--lr", 1e30, check=False)
-    assert proc.returncode == 1, proc.stdout[-2000:]
-    stopped = r"error: the loss became (nan|inf) at step (1[1-5]), before its update: training stopped, "
-    match = re.search(stopped + r"the newest snapshot is gpt_snapshot/step-000000(\d\d)-", proc.stdout)
-    assert match, proc.stdout[-2000:]
-    assert "Traceback" not in proc.stdout
-    newest = saved(tmp_path)
-    assert newest["step"] == int(match[3]) < int(match[2])
-    tensors = [*newest["model"].values()]
-    tensors += [t for state in newest["optimizer"]["state"].values() for t in state.values()]
-    assert all(t.isfinite().all() for t in tensors)
-    # (the head's frozen bias scores the padded vocabulary -10000 by design)
-    assert max(t.abs().max().item() for k, t in newest["model"].items() if k != "head.bias") < 100
-    # the default --keep 2: the two newest step directories
-    assert len([d for d in (tmp_path / "gpt_snapshot").iterdir() if d.is_dir()]) == min(2, newest["step"] - 9)
-    resumed = train(tmp_path, cache, "--max_steps", newest["step"] + 5, "--metrics_path", "m.jsonl")
-    assert f"resuming from gpt_snapshot at step {newest['step']} (step-" in resumed.stdout
-    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    losses = [r for r in records if "grad_norm" in r]
-    assert losses and all(math.isfinite(r["loss"]) and 0 < r["grad_norm"] < 100 for r in losses), records
-    val_losses = [r["val_loss"] for r in records if "val_loss" in r]
-    assert val_losses[-1] < 4.5, records  # as before the lr of 1e30 (val loss 3.9 at step 10)
-
-
-def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
-    config = import_gpt_module("config")
-    native = {"value": False}  # a GPU before compute capability 8.0: torch emulates bf16 there
-    monkeypatch.setattr(
-        torch.cuda,
-        "is_bf16_supported",
-        lambda including_emulation=True: including_emulation or native["value"],
-    )
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.float16
-    native["value"] = True
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert config.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-
-
-def test_mfu_uses_each_gpus_own_peak(monkeypatch):
-    trainer = import_gpt_module("trainer")
-    args = argparse.Namespace(peak_tflops=None)
-    expected = {
-        "NVIDIA H100 NVL": 835e12,
-        "NVIDIA H100 80GB HBM3": 989e12,
-        "NVIDIA H100 PCIe": 756e12,
-        "NVIDIA H200 NVL": 835e12,
-        "NVIDIA H200": 989e12,
-    }
-    for name, peak in expected.items():
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert trainer.peak_flops(args, torch.device("cuda")) == peak, name
-
-
-def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):
-    """GPT-2 small's training FLOPs a token by both counts: llm.c's from its 124,475,904 parameters (as
-    train_gpt2.cu prints them) and attention as 6 * layers * width * context; this trainer's without the
-    position embedding and attention as 12 * layers * width * context. The metrics record both MFUs.
-    Mutation: llm.c's attention counted as 12 * layers * width * context -> this fails."""
-    model_mod = import_gpt_module("model")
-    with torch.device("meta"):
-        gpt2 = model_mod.GPT(model_mod.GPTConfig(50257, 1024, n_layer=12, n_head=12, n_embd=768))
-    attention = 12 * 768 * 1024
-    assert model_mod.flops_per_token(gpt2, llmc=True) == 6 * 124_475_904 + 6 * attention
-    assert model_mod.flops_per_token(gpt2) == 6 * (124_475_904 + 50304 - 1024 * 768) + 12 * attention
-    args = ["--max_steps", 5, "--sample_chars", 0, "--peak_tflops", 1, "--metrics_path", "m.jsonl"]
-    train(tmp_path, cache, *args)
-    (logged,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:1]]
-    with torch.device("meta"):  # TINY's shape, on the default corpus's 96 characters
-        tiny = model_mod.GPT(model_mod.GPTConfig(96, 64, n_layer=2, n_head=2, n_embd=64))
-    ratio = model_mod.flops_per_token(tiny, llmc=True) / model_mod.flops_per_token(tiny)
-    assert logged["mfu_llmc"] == pytest.approx(logged["mfu"] * ratio), logged
-
-
-def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache):
-    """harness/gpu_table.py (make gpu-check's table) on a real run's metrics, steps 6 to 10, and on a copy
-    made 10 times as fast at 50 GB of peak memory: a row each with its numbers and command, and the real
-    run named the fastest under 40 GB. Mutation: the 40 GB bound dropped -> the copy is named: this fails."""
-    args = ["--max_steps", 10, "--sample_chars", 0, "--peak_tflops", 1, "--metrics_path", "small.jsonl"]
-    train(tmp_path, cache, *args)
-    records = [json.loads(line) for line in (tmp_path / "small.jsonl").read_text().splitlines()]
-    (step10,) = [dict(r) for r in records if r.get("step_ms") and r["step"] == 10]  # kept as logged
-    for r in records:
-        if "step_ms" in r:
-            r.update(step_ms=r["step_ms"] / 10, tokens_per_s=r["tokens_per_s"] * 10)
-        if "memory" in r:
-            r["memory"]["peak_bytes"] = 50e9
-    (tmp_path / "large.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    for name in ("small", "large"):
-        (tmp_path / f"{name}.cmd").write_text(f"train.py --run {name}")
-    proc = run([PYTHON, REPO / "harness" / "gpu_table.py", tmp_path, "small", "large"], timeout=60)
-    row = f"| small | {step10['step_ms']:.1f} | {step10['tokens_per_s']:,.0f} | "
-    assert row in proc.stdout and "`train.py --run small` |" in proc.stdout, proc.stdout
-    assert f"| {100 * step10['mfu']:.1f}% | {100 * step10['mfu_llmc']:.1f}% |" in proc.stdout, proc.stdout
-    assert "| large | " in proc.stdout and "| 47,684 | " in proc.stdout, proc.stdout  # 50e9 bytes in MiB
-    assert "fastest under 40 GB of peak memory: small," in proc.stdout, proc.stdout
-
-
-def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
-    """Two lines, the error last: not argparse's usage of every option (about 25 lines) above it. Mutation:
-    config.Parser.error calling argparse's own -> fails."""
-    proc = run(
-        [PYTHON, TRAIN, "--max_steps", "-1", "--metrics_path", "m"], timeout=120, check=False, cwd=tmp_path
-    )
-    said = [
-        "usage: train.py [options] (--help lists them)",
-        "train.py: error: --max_steps must be positive, got -1",
-    ]
-    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == said, proc.stdout
-    assert not list(tmp_path.iterdir())
-
-
-# ---- benchmark --------------------------------------------------------------------------------------
-def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache):
-    cmd = [PYTHON, BENCH_GPT, "--rounds", 1, "--steps", 6, "--log_every", 3]
-    cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "gpt.json", "--"]
-    cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
-    proc = run(cmd, timeout=600)
-    assert "one_process_2_threads" in proc.stdout and "ddp_2_processes_1_thread" in proc.stdout
-    ratio = float(re.search(r"ratio ddp/one \(goal >= 0.95\) ([0-9.]+)", proc.stdout).group(1))
-    report = json.loads((tmp_path / "gpt.json").read_text())
-    assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and ratio > 0
-
-
-def test_the_benchmark_compares_every_strategy_with_ddp_at_the_same_global_batch(tmp_path, cache):
-    choices = next(
-        a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
-    ).choices
-    cmd = [PYTHON, BENCH_GPT, "--strategies", "--rounds", 1, "--steps", 4]
-    cmd += ["--log_every", 2, "--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "s.json", "--"]
-    cmd += ["--n_layer", 2, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
-    proc = run(cmd, timeout=600)  # a strategy at another global batch would end it with an error
-    report = json.loads((tmp_path / "s.json").read_text())
-    assert not report["failed"], report["failed"]
-    assert list(report["tokens_per_s"]) == list(choices) and all(report["tokens_per_s"].values())
-    assert "on 2 CPU cores these show overheads, not speedups" in proc.stdout
-    for name in choices:
-        if name != "ddp":
-            ratio = float(re.search(rf"^  {name}/ddp ([0-9.]+)$", proc.stdout, re.M).group(1))
-            assert report["ratio_to_ddp"][name] == pytest.approx(ratio, abs=1e-3)
-
-
-def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
-    proc = run([PYTHON, BENCH_GPT, "--strategies", "nope"], timeout=120, check=False)
-    assert proc.returncode == 2
-    assert "--strategies: unknown ['nope']; train.py's --parallel choices: ['ddp'" in proc.stdout
-
-
-def test_raising_max_steps_on_resume_keeps_the_cosine_and_says_what_changed(tmp_path, cache):
+def test_raising_max_steps_on_resume_keeps_the_cosine_and_says_so(tmp_path, cache):
+    """Raising --max_steps on resume keeps the cosine and says what changed."""
     train(tmp_path, cache, "--max_steps", 20, "--save_every", 20, "--weight_decay", 0.1)
     proc = train(tmp_path, cache, "--max_steps", 30, "--metrics_path", "m.jsonl", "--weight_decay", 0.0)
     assert "note: changed since the snapshot: max_steps 20 -> 30, weight_decay 0.1 -> 0" in proc.stdout

@@ -75,8 +75,10 @@ def train(folder, *args, address, check=True, env=None):
     return run(cmd, timeout=300, cwd=folder, check=check, env=env)
 
 
-def test_without_an_address_a_cluster_is_started_for_the_run_and_stopped_after(tmp_path):
-    """`python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
+def test_without_an_address_a_cluster_is_started_and_stopped(tmp_path):
+    """Without an address a cluster is started for the run and stopped after.
+
+    `python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
     cluster starts on this machine for the run and is gone when the script ends."""
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
     try:  # (a short path: Ray's socket names must fit in 107 bytes)
@@ -115,7 +117,7 @@ def test_make_ray_trains_on_a_cluster_it_starts_and_stops(uninterrupted):
 
 def test_ray_equals_single_process_with_the_global_batch(uninterrupted, single_gpu_reference):
     """2 Ray workers with batch 32 take the steps of single_gpu.py with batch 64 (the session's reference
-    run, which tests/test_examples.py compares the other launchers with)."""
+    run, which tests/lessons/test_examples.py compares the other launchers with)."""
     text, snapshot = uninterrupted
     folder, proc = single_gpu_reference
     assert (EPOCHS, BATCH * NPROC, COMMON) == (REFERENCE_EPOCHS, REFERENCE_BATCH, REFERENCE_ARGS)

@@ -115,7 +115,8 @@ TRIAL_BOUND = 150
 
 
 @pytest.mark.timeout(120 + RESTART_TRIALS * TRIAL_BOUND + 60)  # the bounds of its runs, and a minute to spare
-def test_the_documented_restart_command_resumes_every_time_a_worker_is_killed(tmp_path):
+def test_the_documented_restart_command_resumes_after_each_kill(tmp_path):
+    """The documented restart command resumes every time a worker is killed."""
     command = documented_restart_command() + " --seed 7 --momentum 0.9 --dataset_size 8192"
     code, out, clean = run_documented_restart(tmp_path / "clean", command, 120)
     assert code == 0 and "resuming" not in out, out[-3000:]
@@ -132,12 +133,14 @@ def test_the_documented_restart_command_resumes_every_time_a_worker_is_killed(tm
             torch.testing.assert_close(resumed[part], expected[part], rtol=0, atol=0)
 
 
-DOC_MARKER = "<!-- tests/test_fault_tolerance.py runs the next block as written"
+DOC_MARKER = "<!-- tests/lessons/test_fault_tolerance.py runs the next block as written"
 
 
 @pytest.mark.timeout(360)
-def test_the_restart_block_of_docs_fault_tolerance_md_runs_as_written_and_recovers(tmp_path):
-    """docs/fault-tolerance.md's torchrun --max-restarts block, verbatim, in a folder laid out as the
+def test_the_restart_block_of_fault_tolerance_md_runs_and_recovers(tmp_path):
+    """The restart block of docs/fault-tolerance.md runs as written and recovers.
+
+    docs/fault-tolerance.md's torchrun --max-restarts block, verbatim, in a folder laid out as the
     repository's root; once demo_snapshot.pt holds 5 epochs, rank 1 is killed, as the page says to do by
     hand (here the worker of this test's torchrun, not the oldest torchrun on the machine): torchrun starts
     new workers, rank 0 resumes from the snapshot and the run ends at epoch 10, exit 0. torchrun names the
@@ -169,8 +172,10 @@ def test_the_restart_block_of_docs_fault_tolerance_md_runs_as_written_and_recove
     assert TrainLog(out).epochs[-1] == 10 and load_snapshot(tmp_path / "demo_snapshot.pt")["EPOCHS_RUN"] == 10
 
 
-def test_restarts_without_a_fresh_store_per_round_are_refused_before_any_work(tmp_path):
-    """Without the variable, every round of workers refuses (4 rounds with --max-restarts=3): the message
+def test_restarts_without_a_fresh_store_per_round_are_refused(tmp_path):
+    """Restarts without a fresh store per round are refused before any work.
+
+    Without the variable, every round of workers refuses (4 rounds with --max-restarts=3): the message
     is said once, last, as the error of torchrun's closing summary, not once per process and round."""
     command = documented_restart_command()
     assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "), command
@@ -199,7 +204,7 @@ def test_a_refusal_under_torchrun_is_written_where_its_summary_reads_it(
     torch.distributed.elastic's record; each node's local rank 0 fails, the others end quietly.
     No process prints it: torchrun's closing summary does, once per node, last. The command the store
     refusal suggests starts as the lesson's documented one. (The lesson's __main__ runs here, in this
-    process, as in tests/test_bad_input.py.)"""
+    process, as in tests/lessons/test_bad_input.py.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     error_file = tmp_path / "error.json"
@@ -246,7 +251,8 @@ def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path)
 
 
 @needs_gpu
-def test_a_killed_gpu_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
+def test_a_killed_gpu_worker_restarts_and_the_run_ends_intact(tmp_path):
+    """A killed GPU worker is restarted and the run ends as if nothing happened."""
     nproc, env = min(2, GPUS), GPU_ENV
     (tmp_path / "clean").mkdir()
     run(example_cmd("multigpu_torchrun", *ARGS, nproc=nproc), timeout=600, cwd=tmp_path / "clean", env=env)
@@ -417,8 +423,10 @@ def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
     assert max(map(int, join)) <= 60 and max(map(int, read)) <= 30, (join, read)
 
 
-def test_make_fault_demo_kills_a_worker_after_a_snapshot_and_accounts_for_the_recovery(tmp_path):
-    """The restart a reader can watch: the documented command, rank 1 killed once the first snapshot is on
+def test_make_fault_demo_kills_a_worker_and_accounts_for_recovery(tmp_path):
+    """`make fault-demo` kills a worker after a snapshot and accounts for the recovery.
+
+    The restart a reader can watch: the documented command, rank 1 killed once the first snapshot is on
     disk, torchrun's restart, and a short account ending with the comparison to an uninterrupted run.
     torch's error-file race (tests/sites/error_file_race) kills the first attempt's agent: the demo says
     so and runs once more, as it does when the race comes by itself. Mutation: without that second run,

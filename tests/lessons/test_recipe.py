@@ -74,8 +74,10 @@ def test_trains_and_keeps_the_best_snapshot_beside_the_last(bf16, fp32, precisio
     assert best[0] == 22 * (1 + losses.index(min(losses)))
 
 
-def test_sigterm_at_a_random_moment_then_the_same_command_ends_bit_for_bit(bf16, tmp_path):
-    """SIGTERM to torchrun at a random moment of a bf16 run with 2 loader workers a process: the
+def test_sigterm_at_a_random_moment_then_a_rerun_ends_bit_for_bit(bf16, tmp_path):
+    """SIGTERM at a random moment then the same command ends bit for bit.
+
+    SIGTERM to torchrun at a random moment of a bf16 run with 2 loader workers a process: the
     processes agree to stop at the next step, rank 0 saves, one line names the snapshot and says the same
     command resumes, and running it again ends on the uninterrupted run's weights, optimizer state and
     printed lines, bit for bit.
@@ -125,8 +127,10 @@ def test_validation_is_the_same_on_1_2_and_3_processes(bf16, tmp_path):
         assert printed[0][1].endswith(f"world_size {nproc}")
 
 
-def test_fp32_accumulation_equals_the_large_batch_with_one_all_reduce_a_step(fp32, tmp_path):
-    """fp32, micro-batches of 16 two a step, against batches of 32 one a step: the same weights within 1e-6
+def test_fp32_accumulation_equals_the_large_batch_one_all_reduce(fp32, tmp_path):
+    """fp32 accumulation equals the large batch with one all reduce a step.
+
+    fp32, micro-batches of 16 two a step, against batches of 32 one a step: the same weights within 1e-6
     after 44 steps; and the accumulating run all-reduced gradients 44 times in each process (a communication
     hook counts them), not 88. Mutation: no_sync() removed -> 88 all-reduces (the weights still agree)."""
     folder, out = fp32
@@ -144,8 +148,10 @@ def recipe_module():
     return module
 
 
-def test_augmentations_differ_by_rank_worker_and_epoch_and_repeat_in_every_run():
-    """The recipe's Augmented data set of 8 identical blank images, read by 2 workers a rank with the
+def test_augmentations_differ_by_rank_worker_epoch_and_repeat():
+    """Augmentations differ by rank worker and epoch and repeat in every run.
+
+    The recipe's Augmented data set of 8 identical blank images, read by 2 workers a rank with the
     recipe's seeding, one image a batch: the noise differs between the two workers, the two ranks and two
     epochs, and a second run gives the same images. Mutations: the rank left out of seed_epoch's seed ->
     both ranks' images are equal; no generator set -> the second run differs."""

@@ -128,8 +128,10 @@ def test_the_doctor_on_both_nodes_meets_and_all_reduces_across_them(hosts):
     assert numbers == {"0", "1"}
 
 
-def test_the_doctor_names_the_firewall_when_the_nodes_meet_but_cannot_all_reduce(hosts):
-    """A firewall on both nodes that lets in only the endpoint's port (and what answers connections made
+def test_the_doctor_names_the_firewall_when_all_reduce_fails(hosts):
+    """The doctor names the firewall when the nodes meet but cannot all reduce.
+
+    A firewall on both nodes that lets in only the endpoint's port (and what answers connections made
     from inside): the nodes meet there, but gloo's own connections between them are dropped. Both end
     within the bound with a FAIL that says the nodes met and names the firewall and the interface
     variables. gloo's connections retry for about 100 s whatever timeout torch is given: the doctor waits

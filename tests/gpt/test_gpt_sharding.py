@@ -265,8 +265,10 @@ def test_comm_hook_with_fsdp_is_an_argparse_error(capsys):
         ("fp32", "torch.float32 torch.float32 torch.float32 torch.float32"),
     ],
 )
-def test_fsdp_under_bf16_gathers_bf16_reduces_float32_and_keeps_float32_shards(tmp_path, dtype, expected):
-    """On 2 processes: a block computes with bf16 weights (gathered in bf16), its gradients are
+def test_fsdp_bf16_gathers_bf16_reduces_and_keeps_float32(tmp_path, dtype, expected):
+    """FSDP under bf16 gathers bf16 reduces float32 and keeps float32 shards.
+
+    On 2 processes: a block computes with bf16 weights (gathered in bf16), its gradients are
     reduce-scattered in float32, and the shards and their gradients stay float32 (the master copy)."""
     cmd = [PYTHON, PROGRAMS / "fsdp_mixed_precision.py", EXAMPLES / "gpt", free_port(), dtype]
     proc = run(cmd, timeout=180, cwd=tmp_path, env=GPT_ON_PATH)

@@ -3,7 +3,7 @@
 import pytest
 from conftest import EPOCH_RE, REPO, VENV, TrainLog, doc_block, free_port, run
 
-MARKER = "<!-- tests/test_readme.py runs every command in the next block"
+MARKER = "<!-- tests/repo/test_readme.py runs every command in the next block"
 
 
 @pytest.mark.timeout(960)  # above the script's own 900 s bound

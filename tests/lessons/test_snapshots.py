@@ -54,10 +54,10 @@ def test_a_bad_snapshot_stops_the_run_and_is_left_untouched(good_snapshot, tmp_p
     assert not (tmp_path / "pwned").exists(), "loading must not run code"
 
 
-def test_a_snapshot_that_does_not_fit_is_explained_once_whole_and_last_under_mp_spawn(
-    good_snapshot, tmp_path
-):
-    """A tiny run's snapshot given to the vision workload: one process says why, with the keys themselves
+def test_an_unfit_snapshot_is_explained_once_last_under_mp_spawn(good_snapshot, tmp_path):
+    """A snapshot that does not fit is explained once whole and last under mp.spawn.
+
+    A tiny run's snapshot given to the vision workload: one process says why, with the keys themselves
     (not a first line cut short), and mp.spawn adds no traceback after it."""
     path = tmp_path / "snap.pt"
     path.write_bytes(good_snapshot)
@@ -73,10 +73,10 @@ def test_a_snapshot_that_does_not_fit_is_explained_once_whole_and_last_under_mp_
 
 
 @pytest.mark.parametrize("lesson", ["multigpu_torchrun", "multigpu_accelerate"])
-def test_under_torchrun_a_snapshot_that_does_not_fit_is_said_once_as_its_summarys_error(
-    good_snapshot, tmp_path, lesson
-):
-    """The same misfit under torchrun: not printed by a process, but shown once, whole, as the error of
+def test_under_torchrun_an_unfit_snapshot_is_said_once_last(good_snapshot, tmp_path, lesson):
+    """Under torchrun a snapshot that does not fit is said once as its summary's error.
+
+    The same misfit under torchrun: not printed by a process, but shown once, whole, as the error of
     torchrun's closing summary (rank 0's error file); the other process ends quietly, nothing is written."""
     path = tmp_path / "snap.pt"
     path.write_bytes(good_snapshot)

@@ -62,7 +62,8 @@ def test_a_bound_beyond_pytest_timeout_is_cut_to_end_before_it():
     assert time.monotonic() - start < 20 - 10  # 15 s before pytest-timeout's 20 s, with room for start-up
 
 
-def test_free_ports_are_never_handed_out_twice_and_nothing_listens_on_them():
+def test_free_ports_are_never_given_twice_and_nothing_listens():
+    """Free ports are never handed out twice and nothing listens on them."""
     ports = [free_port() for _ in range(20)]
     assert len(set(ports)) == 20
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -81,8 +82,10 @@ def test_skips():
 
 
 @pytest.mark.parametrize("jobs", ["0", "2"])
-def test_a_process_left_alive_or_a_skip_ci_forbids_fails_the_session_with_or_without_workers(tmp_path, jobs):
-    """The suite's session rules hold whether make test runs it in one process (JOBS=0) or on pytest-xdist
+def test_a_process_left_alive_or_a_forbidden_skip_fails_the_session(tmp_path, jobs):
+    """A process left alive or a skip CI forbids fails the session with or without workers.
+
+    The suite's session rules hold whether make test runs it in one process (JOBS=0) or on pytest-xdist
     workers (JOBS=2): a process a test started and left running fails the session, named, and is killed;
     with REQUIRE_NO_SKIPS=1 a skip whose reason names no GPU fails it. Mutation: each worker marking its own
     processes (the old design, whose worker lists reached the session through pytest-xdist and twice in
@@ -106,8 +109,10 @@ def test_a_process_left_alive_or_a_skip_ci_forbids_fails_the_session_with_or_wit
     assert killed, seen
 
 
-def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(tmp_path):
-    """`make test LOAD=N` (harness/busy.py): while the command runs, N processes beside it (its siblings)
+def test_make_test_load_runs_beside_busy_processes_that_end_with_it(tmp_path):
+    """`make test LOAD=N` runs the command beside busy processes that end with it.
+
+    `make test LOAD=N` (harness/busy.py): while the command runs, N processes beside it (its siblings)
     use the CPU; when it ends they are gone, and its exit status is busy.py's. Mutation: the busy processes
     neither killed nor daemonic: busy.py never ends (timed out)."""
     probe = tmp_path / "probe.py"
@@ -128,8 +133,10 @@ def test_make_test_load_runs_the_command_beside_busy_processes_that_end_with_it(
     assert len(busy) == 2 and not any(alive(pid) for pid in busy), busy
 
 
-def test_make_clean_removes_the_gpt_corpora_cache_and_names_what_ray_keeps(tmp_path):
-    """`make clean` also removes ~/.cache/ddp-examples (the GPT trainer's corpora, written outside the
+def test_make_clean_removes_the_corpora_cache_and_names_rays_own(tmp_path):
+    """`make clean` removes the GPT corpora cache and names what Ray keeps.
+
+    `make clean` also removes ~/.cache/ddp-examples (the GPT trainer's corpora, written outside the
     repository) and names Ray's folders instead of removing what other Ray programs share. Run in
     tmp_path with HOME and RUNS there, so that nothing of this machine's or the repository's is touched.
     Mutation: the cache left out of the rm: the first assertion fails."""

@@ -14,8 +14,10 @@ def test_trains_on_synthetic_images(tmp_path):
     assert load_snapshot(tmp_path / "single_gpu_snapshot.pt")["MODEL_STATE"]["fc.weight"].shape == (10, 512)
 
 
-def test_without_a_lesson_it_says_how_to_call_it_and_the_lessons_own_checks_still_hold(tmp_path):
-    """vision.py names its missing argument (exit 2); given a lesson, bad input meets the lesson's own
+def test_without_a_lesson_it_says_how_to_call_it(tmp_path):
+    """Without a lesson it says how to call it and the lesson's own checks still hold.
+
+    vision.py names its missing argument (exit 2); given a lesson, bad input meets the lesson's own
     argparse, under the lesson's name; neither leaves a file. Mutation: sys.argv left as it came, with
     vision.py first, so that the lesson is not what runs: this fails."""
     alone = run([PYTHON, EXAMPLES / "vision.py"], timeout=60, check=False, cwd=tmp_path)
@@ -28,9 +30,9 @@ def test_without_a_lesson_it_says_how_to_call_it_and_the_lessons_own_checks_stil
 
 
 def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
-    """SyncBatchNorm runs on GPUs only (tests/test_gpu.py trains with it): on the CPU --sync_bn is refused
-    at once, exit 2, nothing written. Mutation: no such check: every process fails in its first forward
-    with a traceback, exit 1, and this fails."""
+    """SyncBatchNorm runs on GPUs only (tests/repo/test_gpu.py trains with it): on the CPU --sync_bn is
+    refused at once, exit 2, nothing written. Mutation: no such check: every process fails in its first
+    forward with a traceback, exit 1, and this fails."""
     cmd = example_cmd("multigpu", 1, 1, "--dataset_size", 16, vision=["--sync_bn"])  # as test_gpu starts it
     proc = run(cmd, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
@@ -38,8 +40,10 @@ def test_sync_bn_on_the_cpu_is_refused_before_any_work(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_under_torchrun_its_refusals_are_said_once_as_torchruns_closing_error(tmp_path):
-    """As the lessons' refusals: local rank 0 records it for torchrun's summary, which ends with it; the
+def test_under_torchrun_its_refusals_are_said_once_at_the_end(tmp_path):
+    """Under torchrun its refusals are said once as torchrun's closing error.
+
+    As the lessons' refusals: local rank 0 records it for torchrun's summary, which ends with it; the
     other process ends quietly; nothing trains or is written. Mutation: usage() as it is without torchrun ->
     the message twice (each process prints it) and no ArgumentError in the summary: fails."""
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", EXAMPLES / "vision.py", "--sync_bn"]

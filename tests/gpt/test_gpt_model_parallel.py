@@ -90,7 +90,8 @@ REPLICA_COPIES = {"pp x tp": 8, "fsdp x tp": 4, "pp x fsdp": 4, "pp x ddp": 8, "
 
 # 40 steps for one 2-D layout, pp x tp (test_gpt_layouts.py runs every layout for a few steps)
 @pytest.mark.parametrize("layout", ["pp x tp"])
-def test_2d_layouts_on_4_ranks_equal_one_process_with_the_same_global_batch(tmp_path, cache, one, layout):  # noqa: F811
+def test_2d_layouts_on_4_ranks_equal_one_process(tmp_path, cache, one, layout):  # noqa: F811
+    """2-D layouts on 4 ranks equal one process with the same global batch."""
     proc = train(tmp_path, cache, *RUN, *LAYOUTS[layout], nproc=4)
     assert "global batch 16 x 64 tokens" in proc.stdout, proc.stdout[-2000:]
     assert REPLICAS_RE.search(proc.stdout).group(1) == str(REPLICA_COPIES[layout]), proc.stdout[-2000:]
@@ -105,11 +106,12 @@ def test_pp_fsdp_tp_on_8_ranks_equals_one_process(tmp_path, cache, one):  # noqa
 
 
 # ---- any layout resumes any other's snapshot ---------------------------------------------------------
-def test_pp_on_3_ranks_resumes_a_one_process_snapshot_and_ends_where_one_process_does(
+def test_pp_on_3_ranks_resumes_a_one_process_snapshot_exactly(
     tmp_path,
     cache,  # noqa: F811
     one,
 ):
+    """pp on 3 ranks resumes a one process snapshot and ends where one process does."""
     shutil.copytree(one[0] / "step20", tmp_path / "gpt_snapshot")
     proc = train(tmp_path, cache, *RUN, "--parallel", "pp", "--pp_microbatches", 8, nproc=3)
     assert "resuming from gpt_snapshot at step 20" in proc.stdout, proc.stdout[-2000:]
@@ -179,7 +181,8 @@ def test_sizes_that_do_not_split_get_an_argparse_error(monkeypatch, capsys, worl
     assert message in err and len(err.strip().splitlines()[-1]) > len(message), err
 
 
-def test_under_torchrun_a_bad_size_stops_every_process_before_training_and_writes_nothing(tmp_path):
+def test_under_torchrun_a_bad_size_stops_every_process_before_work(tmp_path):
+    """Under torchrun a bad size stops every process before training and writes nothing."""
     args = [TRAIN, "--parallel", "tp", "--n_head", 3, "--n_embd", 48, "--metrics_path", "m.jsonl"]
     args += ["--cache_dir", tmp_path / "cache"]
     proc = run(
@@ -205,8 +208,10 @@ def test_tp_dropout_draws_distinct_masks_for_each_share_of_the_heads(tmp_path):
 # ---- a non-finite step seen by one process only: every process takes the same decision ---------------
 @pytest.mark.parametrize("skip", [1, 0])
 @pytest.mark.parametrize("step", [3, 2])
-def test_a_step_non_finite_on_one_process_is_skipped_or_stops_on_every_process(tmp_path, cache, skip, step):  # noqa: F811
-    """Step 3 logs, so the host reads its checks before its update; step 2's are read with step 3's (an
+def test_a_non_finite_step_on_one_process_acts_on_every_process(tmp_path, cache, skip, step):  # noqa: F811
+    """A step non finite on one process is skipped or stops on every process.
+
+    Step 3 logs, so the host reads its checks before its update; step 2's are read with step 3's (an
     ordinary step reads nothing back): the step was skipped on the device, and is said, counted or
     stopped for when read. Mutations: found_inf not given to AdamW (the replicas differ: it updated on
     one process), or read() skipping all but the last step (step 2 is never said): both fail."""
@@ -260,7 +265,8 @@ def per_rank(folder):
     return found
 
 
-def test_fp16_overflow_on_one_process_skips_the_step_and_halves_the_scale_on_every_process(tmp_path, cache):  # noqa: F811
+def test_fp16_overflow_on_one_process_skips_the_step_everywhere(tmp_path, cache):  # noqa: F811
+    """fp16 overflow on one process skips the step and halves the scale on every process."""
     wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 7, "--log_every", 1, "--sample_chars", 0]
     proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
@@ -275,7 +281,8 @@ def test_fp16_overflow_on_one_process_skips_the_step_and_halves_the_scale_on_eve
 
 
 @pytest.mark.parametrize("skip", [1, 0])
-def test_an_infinite_gradient_on_one_process_is_skipped_or_stops_every_process(tmp_path, cache, skip):  # noqa: F811
+def test_an_infinite_gradient_on_one_process_acts_on_every_process(tmp_path, cache, skip):  # noqa: F811
+    """An infinite gradient on one process is skipped or stops every process."""
     wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 5, "--log_every", 1, "--sample_chars", 0]
     proc = sharding.train(
@@ -332,7 +339,7 @@ def tp_at_world_size_1(tmp_path, env=None):
 
 def test_tp_at_world_size_1_trains_with_fused_adamw(tmp_path):
     """The GPU's optimizer over tp's DTensors, with loss parallel and the device-side checks: the loss
-    falls. tests/test_gpu.py runs the same on NCCL. Mutation: the old plan (embeddings and head left plain
-    tensors): fused AdamW refuses the mix at step 1 and this fails."""
+    falls. tests/repo/test_gpu.py runs the same on NCCL. Mutation: the old plan (embeddings and head left
+    plain tensors): fused AdamW refuses the mix at step 1 and this fails."""
     backend, first, last = tp_at_world_size_1(tmp_path)
     assert backend == "gloo" and last < first - 0.5, (backend, first, last)

@@ -161,8 +161,10 @@ def test_doctor_on_the_gpus(tmp_path):
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"an NCCL timeout needs two ranks, one GPU each; torch sees {GPUS}")
-def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_rank_ran(tmp_path):
-    """docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
+def test_an_nccl_timeout_is_reported_with_flight_recorder_dumps(tmp_path):
+    """An NCCL timeout is reported and the flight recorder dumps what each rank ran.
+
+    docs/troubleshooting.md: TORCH_NCCL_TRACE_BUFFER_SIZE records the collectives; on a timeout the
     watchdog names the one that timed out and writes the record of the rank that waited."""
     script = PROGRAMS / "nccl_timeout.py"
     env = {
@@ -180,7 +182,7 @@ def test_an_nccl_timeout_is_reported_and_the_flight_recorder_dumps_what_each_ran
 
 def test_tp_at_world_size_1_on_nccl_trains_with_fused_adamw(tmp_path):
     """Tensor parallel's optimizer path on the GPU (fused AdamW over DTensors, loss parallel, found_inf):
-    the probe of tests/test_gpt_model_parallel.py, on NCCL."""
+    the probe of tests/gpt/test_gpt_model_parallel.py, on NCCL."""
     from test_gpt_model_parallel import tp_at_world_size_1
 
     backend, first, last = tp_at_world_size_1(tmp_path, env=GPU_ENV)
@@ -206,7 +208,7 @@ def test_syncbatchnorm_makes_two_gpus_train_and_evaluate_as_one_process():
     """examples/pitfalls/batchnorm_stats.py on 2 GPUs, NCCL: 4 images a process with plain BatchNorm end
     off one process of 8 (its loss or its eval outputs by more than 1e-4, float32 convolutions); with
     SyncBatchNorm (--fixed) within 1e-4, train and eval mode both. On the CPU the fix is refused, saying
-    why (tests/test_pitfalls.py)."""
+    why (tests/repo/test_pitfalls.py)."""
     script = REPO / "examples" / "pitfalls" / "batchnorm_stats.py"
     broken = run([PYTHON, script], timeout=180, env=GPU_ENV, check=False)
     assert broken.returncode == 1 and "cause: per-process BatchNorm" in broken.stdout, broken.stdout[-2000:]

@@ -3,7 +3,7 @@ every block of commands either run by a test or marked with why it is not (a GPU
 
 Pure text checks: each fails naming the page and the line. Break one (a 151-word paragraph, a link to a
 heading that is gone, a block without its comment) and the test names it. "See tests/..." is no reason: a
-block marked `not run verbatim by the tests: see tests/test_x.py::name` fails (tried), since a test that
+block marked `not run verbatim by the tests: see tests/gpt/test_x.py::name` fails (tried), since a test that
 runs something like it is not one that runs it as written.
 """
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [REPO / "README.md", *DOCS]
 PAGE_BYTES = 20_000
 ALL_DOCS_BYTES = 110_000
 README_LINES = 130
 # Above a block of commands: a test that runs it as written (and reads the page), or why none does.
-RUN_BY = re.compile(r"<!-- (tests/test_\w+\.py) runs .*-->")
+RUN_BY = re.compile(r"<!-- (tests/\w+/test_\w+\.py) runs .*-->")
 NOT_RUN = re.compile(
     r"<!-- not run verbatim by the tests: (needs a GPU|needs a cluster|needs two machines"
     r"|(about|over) \d+ min)[^>]*-->"
@@ -109,7 +109,8 @@ def test_no_paragraph_over_150_words_and_no_bullet_over_6_lines(page):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)
-def test_every_block_has_a_language_and_every_block_of_commands_is_run_or_says_why(page):
+def test_every_block_has_a_language_and_is_run_or_says_why(page):
+    """Every block has a language and every block of commands is run or says why."""
     text = page.read_text()
     wrong = []
     for number, language, previous in blocks(text)[0]:

@@ -1,0 +1,73 @@
+"""The GPT throughput benchmark, benchmarks/gpt_throughput.py (both variants and their ratio, every
+--parallel strategy against ddp at the same global batch, an unknown strategy refused), and the table the
+GPU check makes of its runs. Tiny model, a few steps each."""
+
+import json
+import re
+
+import pytest
+from conftest import PYTHON, REPO, import_gpt_module, run
+from test_gpt import BENCH_GPT, cache, train
+
+__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
+
+
+def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache):
+    """harness/gpu_table.py (make gpu-check's table) on a real run's metrics, steps 6 to 10, and on a copy
+    made 10 times as fast at 50 GB of peak memory: a row each with its numbers and command, and the real
+    run named the fastest under 40 GB. Mutation: the 40 GB bound dropped -> the copy is named: this fails."""
+    args = ["--max_steps", 10, "--sample_chars", 0, "--peak_tflops", 1, "--metrics_path", "small.jsonl"]
+    train(tmp_path, cache, *args)
+    records = [json.loads(line) for line in (tmp_path / "small.jsonl").read_text().splitlines()]
+    (step10,) = [dict(r) for r in records if r.get("step_ms") and r["step"] == 10]  # kept as logged
+    for r in records:
+        if "step_ms" in r:
+            r.update(step_ms=r["step_ms"] / 10, tokens_per_s=r["tokens_per_s"] * 10)
+        if "memory" in r:
+            r["memory"]["peak_bytes"] = 50e9
+    (tmp_path / "large.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name in ("small", "large"):
+        (tmp_path / f"{name}.cmd").write_text(f"train.py --run {name}")
+    proc = run([PYTHON, REPO / "harness" / "gpu_table.py", tmp_path, "small", "large"], timeout=60)
+    row = f"| small | {step10['step_ms']:.1f} | {step10['tokens_per_s']:,.0f} | "
+    assert row in proc.stdout and "`train.py --run small` |" in proc.stdout, proc.stdout
+    assert f"| {100 * step10['mfu']:.1f}% | {100 * step10['mfu_llmc']:.1f}% |" in proc.stdout, proc.stdout
+    assert "| large | " in proc.stdout and "| 47,684 | " in proc.stdout, proc.stdout  # 50e9 bytes in MiB
+    assert "fastest under 40 GB of peak memory: small," in proc.stdout, proc.stdout
+
+
+# ---- benchmark --------------------------------------------------------------------------------------
+def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache):
+    cmd = [PYTHON, BENCH_GPT, "--rounds", 1, "--steps", 6, "--log_every", 3]
+    cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "gpt.json", "--"]
+    cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
+    proc = run(cmd, timeout=600)
+    assert "one_process_2_threads" in proc.stdout and "ddp_2_processes_1_thread" in proc.stdout
+    ratio = float(re.search(r"ratio ddp/one \(goal >= 0.95\) ([0-9.]+)", proc.stdout).group(1))
+    report = json.loads((tmp_path / "gpt.json").read_text())
+    assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and ratio > 0
+
+
+def test_the_benchmark_compares_every_strategy_with_ddp(tmp_path, cache):
+    """The benchmark compares every strategy with DDP at the same global batch."""
+    choices = next(
+        a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
+    ).choices
+    cmd = [PYTHON, BENCH_GPT, "--strategies", "--rounds", 1, "--steps", 4]
+    cmd += ["--log_every", 2, "--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "s.json", "--"]
+    cmd += ["--n_layer", 2, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
+    proc = run(cmd, timeout=600)  # a strategy at another global batch would end it with an error
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert not report["failed"], report["failed"]
+    assert list(report["tokens_per_s"]) == list(choices) and all(report["tokens_per_s"].values())
+    assert "on 2 CPU cores these show overheads, not speedups" in proc.stdout
+    for name in choices:
+        if name != "ddp":
+            ratio = float(re.search(rf"^  {name}/ddp ([0-9.]+)$", proc.stdout, re.M).group(1))
+            assert report["ratio_to_ddp"][name] == pytest.approx(ratio, abs=1e-3)
+
+
+def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
+    proc = run([PYTHON, BENCH_GPT, "--strategies", "nope"], timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--strategies: unknown ['nope']; train.py's --parallel choices: ['ddp'" in proc.stdout
