@@ -230,7 +230,22 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
     atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
     sizes, counts, data_digest = write_shards(out, spec, tokenizer.vocab_size, sources, dtype, total, workers)
-    manifest = {
+    manifest = describe(key, tokenizer, spec, dtype, sizes, counts, data_digest)
+    atomic_write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+    fsync_dir(out)
+    counts = ", ".join(f"{name} {s['tokens']}" for name, s in manifest["shards"].items())
+    digest = manifest["tokenizer"]["sha256"]
+    seconds = time.perf_counter() - start
+    log(
+        f"wrote {out}: {tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens ({digest}), "
+        f"{dtype} shards of {counts} tokens in {seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s)"
+    )
+    return manifest
+
+
+def describe(key, tokenizer, spec, dtype, sizes, counts, data_digest):
+    """The manifest: what was read (key), the tokenizer, the shards, and a checksum of their ids."""
+    return {
         "format": FORMAT,
         "input": key,
         "tokenizer": {
@@ -247,16 +262,6 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
         "unigram_entropy": unigram_entropy(counts),
         "data_sha256": data_digest,
     }
-    atomic_write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
-    fsync_dir(out)
-    counts = ", ".join(f"{name} {s['tokens']}" for name, s in manifest["shards"].items())
-    digest = manifest["tokenizer"]["sha256"]
-    seconds = time.perf_counter() - start
-    log(
-        f"wrote {out}: {tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens ({digest}), "
-        f"{dtype} shards of {counts} tokens in {seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s)"
-    )
-    return manifest
 
 
 def make_tokenizer(kind, vocab_size, texts, log):
