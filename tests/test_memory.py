@@ -1,4 +1,5 @@
-"""Memory per rank of the GPT trainer (examples/gpt/memory.py) and the report of benchmarks/gpt_memory.py.
+"""Memory per rank of the GPT trainer (examples/gpt/observability/memory.py) and the report of
+benchmarks/gpt_memory.py.
 
 Budget: under 60 s. Measured on 2 shared cores: 49 s at load average 2 to 3, 110 s at 4 to 5 (each torchrun
 start imports torch three times).
@@ -95,7 +96,7 @@ def test_sharded_parameters_count_their_local_shard_only(tmp_path):
 
 
 def test_tied_weights_count_once_and_inner_optimizers_are_found():
-    meter_module = import_gpt_module("memory")
+    meter_module = import_gpt_module("observability.memory")
     embed, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     model = torch.nn.Sequential(embed, head)

@@ -23,7 +23,7 @@ from pathlib import Path
 import prepare
 import tokenizer as tok
 import torch
-from checkpoint import atomic_write
+from snapshots.checkpoint import atomic_write
 
 
 class DataError(ValueError):

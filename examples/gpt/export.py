@@ -16,11 +16,10 @@ import os
 import sys
 from dataclasses import fields
 
-import checkpoint
-import hf
 import tokenizer as tok
 import torch
 from model import GPT, GPTConfig, init_buffers, optimizer_groups
+from snapshots import checkpoint, hf
 
 
 def load_whole(snapshot_dir):

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import tokenizer as tok
 import torch
-from checkpoint import atomic_write, fsync_dir
+from snapshots.checkpoint import atomic_write, fsync_dir
 
 FORMAT = 1
 VAL_FRACTION = 0.1  # the last tenth of the tokens is held out for validation

@@ -17,17 +17,13 @@ with --help for every option. Text is tokenized into shards first (prepare.py, o
 import os
 import socket
 
-import checkpoint
 import data
-import failure
-import guards
-import hang
-import hf
-import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from train_state import all_ranks, from_hf, snapshot_config
+from failures import failure, guards, hang, preempt
+from snapshots import checkpoint, hf
+from snapshots.train_state import all_ranks, from_hf, snapshot_config
 from trainer import Trainer, setup_processes
 
 

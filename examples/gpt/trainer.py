@@ -8,18 +8,18 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 import data
-import guards
 import parallel
 import torch
 import torch.distributed as dist
-import train_state
 from config import resolve_dtype
-from memory import MemoryHistory, MemoryMeter
-from metrics import Metrics, RankTimes
+from failures import guards
 from model import GPT, attention_kernel, flops_per_token, optimizer_groups, parameter_count
+from observability.memory import MemoryHistory, MemoryMeter
+from observability.metrics import Metrics, RankTimes
+from observability.traces import StepProfiler
+from snapshots import train_state
+from snapshots.train_state import all_ranks, model_config
 from torch.distributed.tensor.experimental import implicit_replication
-from traces import StepProfiler
-from train_state import all_ranks, model_config
 
 # Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
 PEAK_FLOPS = [

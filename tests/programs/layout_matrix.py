@@ -21,11 +21,11 @@ import sys
 
 import config
 import data
-import preempt
 import torch
 import torch.distributed as dist
+from failures import preempt
 from parallel import local
-from train_state import all_ranks
+from snapshots.train_state import all_ranks
 from trainer import Trainer, setup_processes
 
 

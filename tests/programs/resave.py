@@ -6,12 +6,11 @@ Started by tests/test_gpt_sharding.py."""
 import os
 import sys
 
-import checkpoint
 import data
-import preempt
-import train_state
 from config import parse_args
-from train_state import snapshot_config
+from failures import preempt
+from snapshots import checkpoint, train_state
+from snapshots.train_state import snapshot_config
 from trainer import Trainer, setup_processes
 
 sys.argv = sys.argv[1:]

@@ -14,10 +14,11 @@ file the summary reads), and the node's other processes end quietly (0).
 import os
 import sys
 
-import checkpoint
-import hang
 import torch
+from snapshots import checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from failures import hang
 
 
 def refuse(prog, message):

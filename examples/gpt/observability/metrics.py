@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from train_state import all_ranks
+from snapshots.train_state import all_ranks
 
 # The JSON keys written as TensorBoard scalars, and their tags.
 TAGS = {

@@ -3,14 +3,14 @@ run needs besides the weights and the optimizer state, and what it says when it 
 
 from dataclasses import asdict
 
-import checkpoint
-import hf
 import parallel
 import torch
 import torch.distributed as dist
 from config import MODEL_KEYS
-from guards import LossScaler
+from failures.guards import LossScaler
 from model import GPT, GPTConfig, optimizer_groups
+
+from snapshots import checkpoint, hf
 
 # The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
