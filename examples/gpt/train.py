@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from config import parse_args
 from failures import failure, guards, hang, preempt
+from processes import all_ranks, setup_processes
 from snapshots import checkpoint, hf
-from snapshots.train_state import all_ranks, from_hf, snapshot_config
-from trainer import Trainer, setup_processes
+from snapshots.train_state import from_hf, snapshot_config
+from trainer import Trainer
 
 
 def main():

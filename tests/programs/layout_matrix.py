@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from failures import preempt
 from parallel import local
-from snapshots.train_state import all_ranks
-from trainer import Trainer, setup_processes
+from processes import all_ranks, setup_processes
+from trainer import Trainer
 
 
 def degrees(world, most):

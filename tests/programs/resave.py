@@ -9,9 +9,10 @@ import sys
 import data
 from config import parse_args
 from failures import preempt
+from processes import setup_processes
 from snapshots import checkpoint, train_state
 from snapshots.train_state import snapshot_config
-from trainer import Trainer, setup_processes
+from trainer import Trainer
 
 sys.argv = sys.argv[1:]
 parser, args = parse_args()

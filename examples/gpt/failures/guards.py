@@ -75,23 +75,6 @@ class Checks:
         return sum(losses) / len(losses) if losses else math.nan
 
 
-class DeferredSave:
-    """A snapshot due after step s waits for step s + 1's checks: it is written only when that step's loss
-    is finite, before its update, holding the state that step started from. No snapshot holds weights that
-    gave a non-finite loss."""
-
-    def __init__(self, every):
-        self.every, self.due = every, False
-
-    def after(self, step):
-        self.due = self.due or step % self.every == 0
-
-    def take(self, loss_ok):
-        """Whether to write the due snapshot now."""
-        now, self.due = self.due and loss_ok, self.due and not loss_ok
-        return now
-
-
 class LossScaler:
     """fp16's dynamic loss scale, on the device (GradScaler's rule and torch's kernel for it: halve it when
     a step is skipped, double it after `interval` clean steps). Whether a step is skipped comes from

@@ -10,6 +10,7 @@ import re
 import resource
 
 import torch
+from processes import all_ranks
 from torch.distributed.tensor import DTensor
 
 
@@ -101,6 +102,21 @@ class MemoryHistory:
         if self.path:
             torch.cuda.memory._dump_snapshot(self.path)
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def report(meter, device, metrics, step):
+    """A collective: every process's memory (meter.report) as one metrics record each, at `step`, and a
+    log line of the largest of each kind."""
+    memory = all_ranks(meter.report(device))
+    for rank, fields in enumerate(memory):
+        scalars = {f"memory/{k}/rank{rank}": v for k, v in fields.items() if k.endswith("_bytes")}
+        metrics.record(step, scalars, memory=fields, rank=rank)
+    most = {key: max(m[key] for m in memory) / 2**20 for key in memory[0] if key.endswith("_bytes")}
+    metrics.log(
+        "memory per rank, MiB, the largest: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
+        "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
+        + f" ({memory[0]['peak_kind']})"
+    )
 
 
 def max_rss():

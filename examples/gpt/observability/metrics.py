@@ -12,7 +12,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from snapshots.train_state import all_ranks
+from model import attention_kernel
+from processes import all_ranks
 
 # The JSON keys written as TensorBoard scalars, and their tags.
 TAGS = {
@@ -26,6 +27,17 @@ TAGS = {
     "mfu_llmc": "perf/mfu_llmc",
     "step_ms": "perf/step_ms",
 }
+
+# Dense bfloat16 peak FLOP/s by GPU name, the denominator of MFU; --peak_tflops for others.
+PEAK_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+]
 
 
 class Metrics:
@@ -121,3 +133,51 @@ class RankTimes:
         for r in lagging:
             line += f"\nslow: rank {r} on {self.hosts[r]}, {times[r] / median:.2f}x the median"
         return line, lagging
+
+
+def peak_flops(args, device):
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    return None
+
+
+def opening(t):
+    """The run's first line: trainer t's model, data, processes, precision, attention kernel and layout."""
+    a, params, dtype = t.args, t.params / 1e6, str(t.dtype).removeprefix("torch.")
+    tokens = f"{t.corpus.tokenizer.kind} tokenizer" if t.corpus.tokenizer else "no tokenizer"
+    kernel = attention_kernel(t.raw.cfg, t.device, t.dtype, t.raw.cfg.dropout)
+    return (
+        f"model {a.model}: {params:.2f}M parameters, vocabulary {t.corpus.vocab_size}, {tokens}, "
+        f"{len(t.train_data)} training tokens | {t.world} process(es) on {t.device.type}, "
+        f"{dtype}, attention {kernel} | layout {t.layout.describe()} | global batch "
+        f"{t.global_batch} x {a.block_size} tokens"
+    )
+
+
+def log_interval(t, loss, norm, steps, seconds):
+    """One line (and one metrics record) for trainer t's steps since the last one, nanoGPT style; the
+    gradient norm is the last step's, before clipping; the learning rate the last step's. A collective
+    where --slow_factor times the processes."""
+    a, lr = t.args, t.optimizer.param_groups[0]["lr"]
+    tokens_per_s = steps * t.global_batch * a.block_size / seconds
+    mfu = None if t.peak is None else tokens_per_s / t.world * t.flops_per_token / t.peak
+    t.log(
+        f"step {t.step}/{a.max_steps} | loss {loss:.4f} | grad norm {norm:.3g} | lr {lr:.2e} | "
+        f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
+        f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+    )
+    fields = dict(loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_s)
+    fields.update(step_ms=seconds / steps * 1000)
+    times = t.times.gather(steps) if a.slow_factor else []  # a collective
+    if len(times) > 1 and t.layout.pp == 1:  # a pipeline's forward passes wait for each other
+        line, slow = t.times.report(times, a.slow_factor)
+        t.log(f"step {t.step} | {line}")
+        fields.update(rank_ms=times, slow_ranks=slow)
+    per_rank = {f"ranks/data_forward_ms/rank{r}": ms for r, ms in enumerate(times)}
+    fields.update(world_size=t.world, skipped=t.checks.skipped)
+    if mfu is not None:  # also as llm.c counts the FLOPs
+        fields.update(mfu=mfu, mfu_llmc=mfu * t.llmc_flops_per_token / t.flops_per_token)
+    t.metrics.record(t.step, scalars=per_rank, **fields)

@@ -5,24 +5,14 @@ from dataclasses import asdict
 
 import parallel
 import torch
-import torch.distributed as dist
 from config import MODEL_KEYS
-from failures.guards import LossScaler
 from model import GPT, GPTConfig, optimizer_groups
+from processes import all_ranks
 
 from snapshots import checkpoint, hf
 
 # The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
-
-
-def all_ranks(obj):
-    """obj from every process, in rank order."""
-    if not dist.is_initialized():
-        return [obj]
-    objs = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs
 
 
 def rng_state(device):
@@ -120,7 +110,7 @@ def from_hf(args, corpus):
     return {
         "config": snapshot_config(args, corpus),
         "tokenizer": None if corpus.tokenizer is None else corpus.tokenizer.to_str(),
-        "scaler": LossScaler(enabled=False).state_dict(),
+        "scaler": {},  # a LossScaler off: no fp16 loss scale to keep
         "step": 0,
         "seed": args.seed,
         "global_batch": args.batch_size * args.grad_accum * args.layout.dp,
@@ -129,3 +119,20 @@ def from_hf(args, corpus):
         "model": model_state,
         "optimizer": optimizer_state,
     }
+
+
+class DeferredSave:
+    """A snapshot due after step s waits for step s + 1's checks: it is written only when that step's loss
+    is finite, before its update, holding the state that step started from. No snapshot holds weights that
+    gave a non-finite loss."""
+
+    def __init__(self, every):
+        self.every, self.due = every, False
+
+    def after(self, step):
+        self.due = self.due or step % self.every == 0
+
+    def take(self, loss_ok):
+        """Whether to write the due snapshot now."""
+        now, self.due = self.due and loss_ok, self.due and not loss_ok
+        return now
