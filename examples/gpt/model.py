@@ -37,8 +37,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.head_width, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
-        # the fused projection's outputs are laid out head by head, each head's q, k, v together: a split of
-        # its rows into equal parts (tensor parallelism) hands every part whole heads
+        # the fused projection's outputs are laid out head by head, each head's q, k, v together: a
+        # split of its rows into equal parts (tensor parallelism) hands every part whole heads
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
@@ -69,10 +69,11 @@ class CausalSelfAttention(nn.Module):
 
 
 def attention_backends(device):
-    """The attention kernels asked for, first choice first. On GPUs cuDNN's (reported 1.7-2.3x as fast as
-    FlashAttention-2 for training shapes on Hopper), then FlashAttention, memory-efficient, math; each takes
-    only some types, head widths and dropout, so the first that takes the call runs. The CPU has two kernels,
-    torch's own flash attention (no dropout) and math, and tries them in that order whatever the list."""
+    """The attention kernels asked for, first choice first. On GPUs cuDNN's (reported 1.7-2.3x as
+    fast as FlashAttention-2 for training shapes on Hopper), then FlashAttention, memory-efficient,
+    math; each takes only some types, head widths and dropout, so the first that takes the call
+    runs. The CPU has two kernels, torch's own flash attention (no dropout) and math, and tries
+    them in that order whatever the list."""
     if device.type == "cuda":
         return [
             SDPBackend.CUDNN_ATTENTION,
@@ -138,8 +139,8 @@ class Block(nn.Module):
         self.recompute = False  # activation checkpointing (ac.apply_ac)
 
     def forward(self, x):
-        # grad mode read first: evaluation and sampling then never read recompute, so a compiled block's
-        # graphs for them serve every block (parallel.apply_compile), recomputed or not
+        # grad mode read first: evaluation and sampling then never read recompute, so a compiled
+        # block's graphs for them serve every block (parallel.apply_compile), recomputed or not
         if torch.is_grad_enabled() and self.recompute:
             # keep the input only; backward recomputes the rest, with the same random state (dropout)
             return checkpoint(self.residual, x, use_reentrant=False)
@@ -180,9 +181,9 @@ class GPT(nn.Module):
                 param.copy_(initial_value(name, param.shape, self.cfg, seed))
 
     def forward(self, idx, targets=None):
-        """Logits (batch, length, vocab); with targets, (None, the mean cross-entropy over all positions):
-        the loss is computed from the final norm's output (head_loss), never from whole logits. A pipeline
-        stage's module maps what it receives to what it sends on (layers)."""
+        """Logits (batch, length, vocab); with targets, (None, the mean cross-entropy over all
+        positions): the loss is computed from the final norm's output (head_loss), never from whole
+        logits. A pipeline stage's module maps what it receives to what it sends on (layers)."""
         x = self.layers(idx)
         if self.head is None or self.stop_before_head:
             return x
@@ -218,8 +219,8 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def generate(logits_of, idx, new_tokens, block_size, *, temperature=0.8, top_k=None, generator=None):
-    """Append new_tokens sampled one at a time from logits_of(context) (batch, length, vocab); the context
-    is cut to the last block_size tokens."""
+    """Append new_tokens sampled one at a time from logits_of(context) (batch, length, vocab); the
+    context is cut to the last block_size tokens."""
     for _ in range(new_tokens):
         logits = logits_of(idx[:, -block_size:])
         logits = logits[:, -1, :].float() / temperature
@@ -234,10 +235,11 @@ def generate(logits_of, idx, new_tokens, block_size, *, temperature=0.8, top_k=N
 
 
 def initial_value(name, shape, cfg, seed):
-    """Parameter `name`'s initial value, whole, on the CPU, from a generator seeded by (seed, name) alone:
-    a process that holds a part of it takes that part, so every layout starts from the same weights as one
-    process, and none builds more than one whole parameter at a time. As GPT-2: normal(0, 0.02) matrices
-    and embeddings, the projections into the residual stream smaller by depth, zero biases, unit norms."""
+    """Parameter `name`'s initial value, whole, on the CPU, from a generator seeded by (seed, name)
+    alone: a process that holds a part of it takes that part, so every layout starts from the same
+    weights as one process, and none builds more than one whole parameter at a time. As GPT-2:
+    normal(0, 0.02) matrices and embeddings, the projections into the residual stream smaller by
+    depth, zero biases, unit norms."""
     if name == "head.bias":
         return padding_bias(shape, cfg)
     if name.endswith("bias"):
@@ -260,9 +262,9 @@ def padding_bias(shape, cfg):
 
 
 def init_buffers(model):
-    """Buffers (a rotary table, a mask) have no values on the meta device, nor after to_empty: every module
-    that holds some says how to fill them, in a method init_buffers(), called here once its storage exists.
-    model.py's GPT has none."""
+    """Buffers (a rotary table, a mask) have no values on the meta device, nor after to_empty:
+    every module that holds some says how to fill them, in a method init_buffers(), called here
+    once its storage exists. model.py's GPT has none."""
     missing = []
     for name, module in model.named_modules():
         own = [f"{name}.{b}".lstrip(".") for b, _ in module.named_buffers(recurse=False)]
@@ -281,8 +283,8 @@ def cross_entropy(logits, targets):
 
 
 def chunked_cross_entropy(x, weight, bias, targets, chunk):
-    """cross_entropy(F.linear(x, weight, bias), targets), `chunk` positions at a time: only one chunk's
-    logits, and their float32 copy, exist at once."""
+    """cross_entropy(F.linear(x, weight, bias), targets), `chunk` positions at a time: only one
+    chunk's logits, and their float32 copy, exist at once."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     return ChunkedCrossEntropy.apply(x, weight, bias, targets, chunk, torch.is_grad_enabled())
 
@@ -338,10 +340,10 @@ def parameter_count(model, non_embedding=True):
 
 
 def flops_per_token(model, llmc=False):
-    """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and mixing,
-    12 * layers * width * context (heads * head width = width). llmc=True: llm.c's count (gpt2_estimate_mfu
-    in train_gpt2.cu), 6 per trained parameter, the position embedding's too, and 6 * layers * width *
-    context."""
+    """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and
+    mixing, 12 * layers * width * context (heads * head width = width). llmc=True: llm.c's count
+    (gpt2_estimate_mfu in train_gpt2.cu), 6 per trained parameter, the position embedding's too,
+    and 6 * layers * width * context."""
     cfg = model.cfg
     if llmc:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # not the padding bias

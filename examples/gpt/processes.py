@@ -1,6 +1,6 @@
-"""The processes: joining the group under torchrun, and a value from every process (all_ranks), the one
-collective that the trainer, its snapshots and its metrics all use. Alone here so that every family can
-import it without importing the trainer."""
+"""The processes: joining the group under torchrun, and a value from every process (all_ranks), the
+one collective that the trainer, its snapshots and its metrics all use. Alone here so that every
+family can import it without importing the trainer."""
 
 import os
 from datetime import timedelta

@@ -10,9 +10,10 @@ alive writes its Python stack and its flight-recorder entries to FOLDER/hang/, a
     except RuntimeError as exc:          # "timed out"
         hang.dump(folder, rank, world, exc)   # dump, ask every other process to, wait (bounded) for them
 
-Files, per process R: hang/rank{R}.stack.txt (rank, host, pid, why, the call that timed out, then every
-thread's stack as faulthandler writes it) and hang/fr_rank{R} (torch's flight recorder, pickled as torch's
-analyser reads it: `torchfrtrace FOLDER/hang -p fr_rank --allow-incomplete-ranks` works on it too).
+Files, per process R: hang/rank{R}.stack.txt (rank, host, pid, why, the call that timed out, then
+every thread's stack as faulthandler writes it) and hang/fr_rank{R} (torch's flight recorder,
+pickled as torch's analyser reads it: `torchfrtrace FOLDER/hang -p fr_rank
+--allow-incomplete-ranks` works on it too).
 
 How the others learn that they should dump: the process that timed out sets a key in the rendezvous store
 (MASTER_ADDR:MASTER_PORT: torchrun's, or rank 0's) and every armed process polls that key from a daemon
@@ -51,9 +52,9 @@ PEER_GONE = ("connection closed by peer", "connection reset by peer", "timeout c
 
 
 def cause(exc):
-    """Whether an error out of a collective is a hang, as gloo and NCCL say it: "timed out" (this process
-    waited past --dist_timeout), "lost" (gloo: another process, which timed out first or died, closed the
-    connection), or None (another error, not a hang)."""
+    """Whether an error out of a collective is a hang, as gloo and NCCL say it: "timed out" (this
+    process waited past --dist_timeout), "lost" (gloo: another process, which timed out first or
+    died, closed the connection), or None (another error, not a hang)."""
     text = str(exc).lower()
     if "timed out" in text:
         return "timed out"
@@ -99,8 +100,8 @@ def connect(timeout=30.0):
 
 
 def arm(folder, rank, world, store=None, poll=POLL):
-    """After the process group formed: start the thread that dumps when another process asks. store: any
-    c10d store that every process reaches (default: connect())."""
+    """After the process group formed: start the thread that dumps when another process asks.
+    store: any c10d store that every process reaches (default: connect())."""
     try:
         store = store if store is not None else connect()
     except dist.DistError as exc:  # a diagnosis must not end the run: without the store, no watcher
@@ -246,9 +247,9 @@ def _write(folder, rank, world, why, exc=None):
 
 
 def _flight_record():
-    """This process's flight-recorder entries, pickled as torch's analyser reads them, or None. torch has no
-    public call for this: torch._C._distributed_c10d._dump_fr_trace (gloo) and _dump_nccl_trace (NCCL) are
-    what its own tests and tutorial use."""
+    """This process's flight-recorder entries, pickled as torch's analyser reads them, or None.
+    torch has no public call for this: torch._C._distributed_c10d._dump_fr_trace (gloo) and
+    _dump_nccl_trace (NCCL) are what its own tests and tutorial use."""
     c10d = torch._C._distributed_c10d
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     dumper = getattr(c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace", None)
@@ -268,9 +269,9 @@ def _flight_record():
 
 
 def _groups():
-    """Group name -> the analyser's record of it, for every process group this process is in. torch lists a
-    group's ranks publicly (get_process_group_ranks) but not the groups themselves: _world.pg_names is the
-    registry it keeps (private; without it, the default group alone)."""
+    """Group name -> the analyser's record of it, for every process group this process is in. torch
+    lists a group's ranks publicly (get_process_group_ranks) but not the groups themselves:
+    _world.pg_names is the registry it keeps (private; without it, the default group alone)."""
     if not dist.is_initialized():
         return {}
     groups = getattr(dist.distributed_c10d, "_world", None)

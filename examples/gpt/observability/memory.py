@@ -1,9 +1,10 @@
 """What one process holds: bytes of parameters, gradients and optimizer state, and its peak memory.
 
-Sharded strategies keep DTensors: only the local shard of each is counted, since that is what this process
-stores. Tensors that appear twice (the tied embedding and output weight) count once. Gradients are counted at
-the end of every micro-batch's backward, where they peak: FSDP2 may then hold unsharded gradients of its own
-(gradient sync off, as a pipeline stage does between its micro-batches), which are counted too.
+Sharded strategies keep DTensors: only the local shard of each is counted, since that is what this
+process stores. Tensors that appear twice (the tied embedding and output weight) count once.
+Gradients are counted at the end of every micro-batch's backward, where they peak: FSDP2 may then
+hold unsharded gradients of its own (gradient sync off, as a pipeline stage does between its
+micro-batches), which are counted too.
 """
 
 import re
@@ -47,10 +48,10 @@ def fsdp_unsharded_grads(model):
 
 
 class MemoryMeter:
-    """Counts what the model and the optimizer hold. Gradients exist only between backward() and the
-    optimizer's zero_grad: they are counted after each micro-batch's backward (count_grads, which the
-    trainer's Parallel calls when given as `parallel`) and just before each optimizer step; the largest
-    count stays."""
+    """Counts what the model and the optimizer hold. Gradients exist only between backward() and
+    the optimizer's zero_grad: they are counted after each micro-batch's backward (count_grads,
+    which the trainer's Parallel calls when given as `parallel`) and just before each optimizer
+    step; the largest count stays."""
 
     def __init__(self, model, optimizer, parallel=None):
         self.model, self.optimizer, self.grads_bytes = model, optimizer, 0
@@ -105,8 +106,8 @@ class MemoryHistory:
 
 
 def report(meter, device, metrics, step):
-    """A collective: every process's memory (meter.report) as one metrics record each, at `step`, and a
-    log line of the largest of each kind."""
+    """A collective: every process's memory (meter.report) as one metrics record each, at `step`,
+    and a log line of the largest of each kind."""
     memory = all_ranks(meter.report(device))
     for rank, fields in enumerate(memory):
         scalars = {f"memory/{k}/rank{rank}": v for k, v in fields.items() if k.endswith("_bytes")}
@@ -120,9 +121,9 @@ def report(meter, device, metrics, step):
 
 
 def max_rss():
-    """This process's peak resident memory in bytes. On Linux VmHWM, its own: ru_maxrss also holds the peak
-    of the process that started it (a process started by vfork and exec keeps its parent's), so torchrun's
-    workers would report torchrun's, or their caller's."""
+    """This process's peak resident memory in bytes. On Linux VmHWM, its own: ru_maxrss also holds
+    the peak of the process that started it (a process started by vfork and exec keeps its
+    parent's), so torchrun's workers would report torchrun's, or their caller's."""
     try:
         with open("/proc/self/status") as status:
             return int(re.search(r"^VmHWM:\s+(\d+) kB$", status.read(), re.M).group(1)) * 1024

@@ -1,8 +1,8 @@
-"""What a run reports. The leader prints the log lines and writes the metrics: one JSON line per record
-(--metrics_path) and the same numbers as TensorBoard scalars, in event files in the same folder
-(`tensorboard --logdir FOLDER`). Every process times its data and forward passes, gathered at each log
-line, so that a process slower than the others is named with its host: DDP runs at its slowest process's
-pace, and its step time alone would hide which one that is."""
+"""What a run reports. The leader prints the log lines and writes the metrics: one JSON line per
+record (--metrics_path) and the same numbers as TensorBoard scalars, in event files in the same
+folder (`tensorboard --logdir FOLDER`). Every process times its data and forward passes, gathered
+at each log line, so that a process slower than the others is named with its host: DDP runs at its
+slowest process's pace, and its step time alone would hide which one that is."""
 
 import json
 import os
@@ -51,8 +51,8 @@ class Metrics:
             print(text, flush=True)
 
     def record(self, step, scalars=None, **fields):
-        """One JSON line {"step": step, **fields}; its TAGS, and `scalars` (TensorBoard only: {tag: value}),
-        as scalars at `step`."""
+        """One JSON line {"step": step, **fields}; its TAGS, and `scalars` (TensorBoard only: {tag:
+        value}), as scalars at `step`."""
         if not (self.leads and self.path):
             return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -79,11 +79,12 @@ def is_number(value):
 
 
 class RankTimes:
-    """Each process's time in data and forward passes: a context (`with times:`) adds to it, and gather()
-    returns every process's mean per step since the last gather, in milliseconds. On a GPU the time is the
-    device's (CUDA events), not the launches'. Under DDP the forward passes do not communicate, so this is
-    a process's own pace, where step times are alike (the faster processes wait for the slower one in the
-    backward pass's all-reduce); under fsdp, tp and pp the forward passes wait for the others too."""
+    """Each process's time in data and forward passes: a context (`with times:`) adds to it, and
+    gather() returns every process's mean per step since the last gather, in milliseconds. On a GPU
+    the time is the device's (CUDA events), not the launches'. Under DDP the forward passes do not
+    communicate, so this is a process's own pace, where step times are alike (the faster processes
+    wait for the slower one in the backward pass's all-reduce); under fsdp, tp and pp the forward
+    passes wait for the others too."""
 
     def __init__(self, device):
         self.device, self.seconds, self.events = device, 0.0, []
@@ -120,8 +121,8 @@ class RankTimes:
         return every.tolist()
 
     def report(self, times, factor):
-        """A line naming the fastest and slowest process, and the processes slower than `factor` times
-        the median; (line, [slow ranks])."""
+        """A line naming the fastest and slowest process, and the processes slower than `factor`
+        times the median; (line, [slow ranks])."""
         median = statistics.median_low(times)  # of 2 processes, the faster one
         order = sorted(range(len(times)), key=times.__getitem__)
         fast, slow = order[0], order[-1]
@@ -158,9 +159,9 @@ def opening(t):
 
 
 def log_interval(t, loss, norm, steps, seconds):
-    """One line (and one metrics record) for trainer t's steps since the last one, nanoGPT style; the
-    gradient norm is the last step's, before clipping; the learning rate the last step's. A collective
-    where --slow_factor times the processes."""
+    """One line (and one metrics record) for trainer t's steps since the last one, nanoGPT style;
+    the gradient norm is the last step's, before clipping; the learning rate the last step's. A
+    collective where --slow_factor times the processes."""
     a, lr = t.args, t.optimizer.param_groups[0]["lr"]
     tokens_per_s = steps * t.global_batch * a.block_size / seconds
     mfu = None if t.peak is None else tokens_per_s / t.world * t.flops_per_token / t.peak

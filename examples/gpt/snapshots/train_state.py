@@ -122,9 +122,9 @@ def from_hf(args, corpus):
 
 
 class DeferredSave:
-    """A snapshot due after step s waits for step s + 1's checks: it is written only when that step's loss
-    is finite, before its update, holding the state that step started from. No snapshot holds weights that
-    gave a non-finite loss."""
+    """A snapshot due after step s waits for step s + 1's checks: it is written only when that
+    step's loss is finite, before its update, holding the state that step started from. No snapshot
+    holds weights that gave a non-finite loss."""
 
     def __init__(self, every):
         self.every, self.due = every, False
