@@ -1,5 +1,5 @@
-"""The step and the loop: precision, accumulation, the checks (failures/guards.py), evaluation, snapshots.
-parallel.py splits the model over the processes: the trainer sees a Parallel whatever the layout."""
+"""The step and the loop: precision, accumulation, the checks (failures/guards.py), evaluation and
+snapshots. parallel.py splits the model over the processes: the trainer sees a Parallel."""
 
 import math
 import time
@@ -39,9 +39,9 @@ class Trainer:
         self.log = self.metrics.log
         self.dp_rank, self.dp_world = layout.dp_rank(rank), layout.dp
         self.corpus = corpus
-        # memory-mapped shards: each process reads the windows of its own share of every batch, no more
+        # memory-mapped shards: each process reads the windows of its share of every batch, no more
         self.train_data, self.val_data = corpus.train, corpus.val
-        if args.in_memory:  # the whole corpus on the device instead, batches indexed there (for comparison)
+        if args.in_memory:  # or the whole corpus on the device, indexed there (for comparison)
             self.train_data, self.val_data = corpus.train.long().to(device), corpus.val.long().to(device)
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         self.dtype = resolve_dtype(args.dtype, device)
@@ -50,7 +50,7 @@ class Trainer:
         self.params = parameter_count(model, non_embedding=False)
         self.flops_per_token = flops_per_token(model)
         self.llmc_flops_per_token = flops_per_token(model, llmc=True)  # MFU as llm.c counts it too
-        param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP's all-gathers
+        param_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else None  # FSDP all-gathers
         self.parallel = parallel.parallelize(model, layout, args, device, param_dtype)
         self.raw = self.parallel.module  # this process's part of the GPT
         groups = optimizer_groups(self.raw, args.weight_decay)
@@ -74,13 +74,13 @@ class Trainer:
         self.log(f"saved {self.args.snapshot_path} at step {self.step}")
         return time.perf_counter() - start
 
-    # ---- one step ------------------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------------
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train_step(self, stop):
-        """Forward and backward over the micro-batches, then the checks (guards.verdict), no update yet:
-        the verdict, a tensor on the device."""
+        """Forward and backward over the micro-batches, then the checks (guards.verdict), no update
+        yet: the verdict, a tensor on the device."""
         a = self.args
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.args, self.step)
@@ -92,7 +92,7 @@ class Trainer:
             mine = offsets[start : start + a.batch_size]
             with self.times:  # its own pace: the data, and the forward pass in step()
                 x, y = data.gather(self.train_data, mine, a.block_size, self.device)
-            # gradients add up locally; only the last micro-batch's backward reduces them over processes
+            # gradients add up locally; the last micro-batch's backward reduces them over processes
             with self.parallel.sync(micro == a.grad_accum - 1), self.autocast():
                 loss_sum += self.parallel.step(x, y, self.backward)
         self.scaler.unscale(self.raw.parameters())  # clip and check the true gradients
@@ -100,18 +100,18 @@ class Trainer:
         return guards.verdict(loss_sum / a.grad_accum, norm, stop)
 
     def update(self, verdict):
-        """The optimizer step, decided on the device: fused AdamW skips it where the verdict says a loss or
-        a gradient is not finite (its found_inf), and fp16's loss scale halves or grows."""
+        """The optimizer step, decided on the device: fused AdamW skips it where the verdict says a
+        loss or a gradient is not finite (its found_inf), and fp16's loss scale halves or grows."""
         skip = guards.skip(verdict)
         parallel.local_optimizer(self.optimizer).found_inf = skip
-        with implicit_replication():  # found_inf beside DTensor parameters: the same on every process
+        with implicit_replication():  # found_inf beside DTensor parameters: alike on every process
             self.optimizer.step()
         self.scaler.update(skip)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
     def reads(self, step):
-        """Whether the host reads the checks at this step (1-based): it logs, evaluates or is the last."""
+        """Whether the host reads the checks at this step (1-based): a log, evaluation or end."""
         a = self.args
         return step % a.log_every == 0 or step % a.eval_every == 0 or step == a.max_steps
 
@@ -120,13 +120,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Mean validation loss over a fixed set of sequences, shared out among the data-parallel shares."""
+        """Mean validation loss over a fixed set of sequences, shared out among the data shares."""
         a = self.args
         self.parallel.train(False)
         offsets = data.step_offsets(a.seed, -1, a.eval_samples, len(self.val_data), a.block_size)
         loss_sum, count = torch.zeros((), device=self.device, dtype=torch.float64), 0
         mine = offsets[self.dp_rank :: self.dp_world]
-        # every process runs as many forwards (sharded weights are gathered in each): the largest share's
+        # every process runs as many forwards (each gathers sharded weights): the largest share's
         for start in range(0, -(-len(offsets) // self.dp_world), a.batch_size):
             chunk = mine[start : start + a.batch_size]
             x, y = data.gather(self.val_data, chunk if len(chunk) else offsets[:1], a.block_size, self.device)
@@ -137,18 +137,18 @@ class Trainer:
                 count += len(chunk)
         # the count goes to the device once, not once a batch
         totals = torch.stack([loss_sum, loss_sum.new_tensor(count)])
-        if dist.is_initialized():  # the processes of one share (tp, pp) add the same terms: the mean holds
+        if dist.is_initialized():  # a share's processes (tp, pp) add the same terms: mean holds
             dist.all_reduce(totals)
         self.parallel.train(True)
         return (totals[0] / totals[1]).item()
 
-    # ---- the run -------------------------------------------------------------------------------------
+    # ---- the run -----------------------------------------------------------------------------
     def train(self, stop):
-        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process: then, at
-        the next step that reads the checks (within --log_every steps), the state at its start is saved and
-        False returned. A snapshot due after step s is written only once step s + 1's loss shows its
-        weights sound, before that step's update: no snapshot holds weights that gave a non-finite loss.
-        The last one is checked by the final validation loss."""
+        """Steps until --max_steps, or until `stop` (preempt.StopRequest) is set on some process:
+        then, at the next step that reads the checks (within --log_every steps), the state at its
+        start is saved and False returned. A snapshot due after step s is written only once the
+        loss of step s + 1 shows its weights sound, before that step's update: no snapshot holds
+        weights that gave a non-finite loss. The final validation loss checks the last one."""
         a = self.args
         self.log(metrics.opening(self))
         if self.corpus.unigram is not None:
@@ -162,7 +162,7 @@ class Trainer:
             if profiler:
                 profiler.at_step(self.step + 1)
             reads = meter.active = save.due or self.reads(self.step + 1)
-            rng = train_state.rng_state(self.device) if reads else None  # what a save before the update holds
+            rng = train_state.rng_state(self.device) if reads else None  # what a save holds
             verdict = self.train_step(bool(stop))
             self.checks.add(self.step + 1, verdict)
             if reads:
@@ -188,8 +188,8 @@ class Trainer:
         return True
 
     def evaluate_and_save(self, last):
-        """The validation loss when due, and the last snapshot: the seconds they took, which stay out of
-        the throughput."""
+        """The validation loss when due, and the last snapshot: the seconds they took, which stay
+        out of the throughput."""
         a, start = self.args, time.perf_counter()
         if self.step % a.eval_every == 0 or last:
             val_loss = self.evaluate()
@@ -206,7 +206,7 @@ class Trainer:
         self.metrics.close()
         if self.world > 1:
             self.log(parallel.check_replicas(self.layout, all_ranks(parallel.replica_digests(self.parallel))))
-        if self.args.sample_chars:  # every process takes part: a split model's forward is a collective
+        if self.args.sample_chars:  # every process: a split model's forward is a collective
             self.log("sample:\n" + self.sample(self.args.sample_chars))
 
     def sample(self, count):
