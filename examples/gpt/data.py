@@ -32,10 +32,11 @@ class DataError(ValueError):
 
 @contextlib.contextmanager
 def file_lock(path, timeout, what):
-    """Hold an exclusive lock on path while this process builds `what`; the others wait. The holder touches
-    the lock file every second, and a waiter gives up only after `timeout` seconds without a touch: it waits
-    as long as the holder lives, however long building takes. A DataError raised while holding it is left
-    in path.failed for those that waited, which end with the same message instead of trying again."""
+    """Hold an exclusive lock on path while this process builds `what`; the others wait. The holder
+    touches the lock file every second, and a waiter gives up only after `timeout` seconds without
+    a touch: it waits as long as the holder lives, however long building takes. A DataError raised
+    while holding it is left in path.failed for those that waited, which end with the same message
+    instead of trying again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     failed = path.with_suffix(".failed")
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -138,10 +139,11 @@ SAMPLE = 1 << 20  # bytes read at each end of a shard that has no digest
 
 
 def sampled_digest(folder, manifest, tokenizer_digest):
-    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py wrote
-    before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and last MiB,
-    read once at start-up; never the whole corpus, which may be larger than memory. Two corpora of the
-    same sizes that differ only in their middle go unnoticed: prepare.py's digest covers every byte."""
+    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py
+    wrote before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and
+    last MiB, read once at start-up; never the whole corpus, which may be larger than memory. Two
+    corpora of the same sizes that differ only in their middle go unnoticed: prepare.py's digest
+    covers every byte."""
     digest = hashlib.sha256(f"{manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n".encode())
     for name in prepare.SHARDS:
         shard = manifest["shards"][name]

@@ -27,9 +27,10 @@ class GPTConfig:
 
     @property
     def padded_vocab(self):
-        """The embedding's rows and the head's outputs: the vocabulary rounded up to a multiple of 64, the
-        matrix shapes GPUs multiply fastest (GPT-2's 50257 -> 50304). The rows past the vocabulary are
-        never read in, and the head's frozen bias (padding_bias) keeps them out of the loss and samples."""
+        """The embedding's rows and the head's outputs: the vocabulary rounded up to a multiple of
+        64, the matrix shapes GPUs multiply fastest (GPT-2's 50257 -> 50304). The rows past the
+        vocabulary are never read in, and the head's frozen bias (padding_bias) keeps them out of
+        the loss and samples."""
         return -(-self.vocab_size // 64) * 64
 
 
@@ -47,20 +48,23 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         batch, length, _ = x.shape
-        # (batch, length, heads * 3 * head width) -> three tensors of (batch, heads, length, head width); the
-        # head count comes from the tensor: a tensor-parallel process computes only its share of the heads
+        # (batch, length, heads * 3 * head width) -> three tensors of (batch, heads, length, head
+        # width); the head count comes from the tensor: a tensor-parallel process computes only its
+        # share of the heads
         q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
-        # is_causal: position t attends to positions <= t only, so later tokens never change earlier outputs
+        # is_causal: position t attends to positions <= t only, so later tokens never change
+        # earlier outputs
         y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, length, -1)
         return self.proj_dropout(self.proj(y))
 
     def attend(self, q, k, v, dropout):
-        """Causal attention. Under tensor parallelism the processes of one batch share one random stream
-        (the dropout after each block must agree), so without care each share of the heads would draw the
-        same attention masks: heads j and j + heads/N alike. Here every share draws from its own stream,
-        seeded from the shared one (which so moves alike everywhere), as distinct heads do in one process.
-        The kernel is the first of attention_backends(device) that takes these inputs."""
+        """Causal attention. Under tensor parallelism the processes of one batch share one random
+        stream (the dropout after each block must agree), so without care each share of the heads
+        would draw the same attention masks: heads j and j + heads/N alike. Here every share draws
+        from its own stream, seeded from the shared one (which so moves alike everywhere), as
+        distinct heads do in one process. The kernel is the first of attention_backends(device)
+        that takes these inputs."""
         with sdpa_kernel(attention_backends(q.device), set_priority=True):
             if not dropout or self.head_share is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -85,9 +89,10 @@ def attention_backends(device):
 
 
 def attention_kernel(cfg, device, dtype, dropout):
-    """The kernel attend() runs in training, by name, found by running attention once on one sequence of
-    cfg's shape as attend() does: each fused kernel has a backward of its own, named after it (for example
-    ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made of ordinary operations."""
+    """The kernel attend() runs in training, by name, found by running attention once on one
+    sequence of cfg's shape as attend() does: each fused kernel has a backward of its own, named
+    after it (for example ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made
+    of ordinary operations."""
     shape = (1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
     # its random numbers (and dropout's) from a copy of the random state: training's streams stay as they were
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -100,8 +105,9 @@ def attention_kernel(cfg, device, dtype, dropout):
 
 @contextmanager
 def own_stream(share, device):
-    """A random stream of this share's own (of the heads, the positions or the pipeline's stages) for the
-    code inside, seeded from the stream the processes of one batch share, which so moves alike everywhere."""
+    """A random stream of this share's own (of the heads, the positions or the pipeline's stages)
+    for the code inside, seeded from the stream the processes of one batch share, which so moves
+    alike everywhere."""
     seed = int(torch.randint(2**62, ()))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + share)
@@ -165,8 +171,9 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
         if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
             self.head.bias.requires_grad_(False)
-        # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits split over
-        # the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss computed on that split
+        # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits
+        # split over the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss
+        # computed on that split
         self.loss_chunk = 1024
         # a pipeline's last stage sets it (parallel.split_stage): forward then stops at the final norm, and
         # the schedule's loss function applies the head (head_loss), so its loss is chunked too
@@ -291,9 +298,10 @@ def chunked_cross_entropy(x, weight, bias, targets, chunk):
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The head and the loss, one chunk of positions at a time, as Liger-Kernel's fused linear
-    cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax minus the
-    target's one-hot, for the sum of the chunk's losses) and from it the gradients of x, the weight and a
-    bias that trains; backward only scales them. No logits are kept for backward nor recomputed there."""
+    cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax
+    minus the target's one-hot, for the sum of the chunk's losses) and from it the gradients of x,
+    the weight and a bias that trains; backward only scales them. No logits are kept for backward
+    nor recomputed there."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, grad_enabled):
@@ -310,7 +318,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total -= log_probs.gather(1, ts[:, None]).sum()
             if not any(wants):
                 continue
-            # the gradient of the chunk's summed loss by its logits, in place of the log-probabilities
+            # the gradient of the chunk's summed loss by its logits, in place of the
+            # log-probabilities
             grad = log_probs.exp_()
             grad[torch.arange(len(ts), device=ts.device), ts] -= 1
             grad = grad.to(logits.dtype)  # the matmuls below in the head's type (autocast's bf16)
@@ -326,8 +335,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own gradient (a
-        # gradient scaler's factor), in place: backward runs once. autograd casts each to its input's type
+        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own
+        # gradient (a gradient scaler's factor), in place: backward runs once. autograd casts each
+        # to its input's type
         scale = grad_loss / ctx.count
         grads = [None if g is None else g.mul_(scale) for g in ctx.saved_tensors]
         return *grads, None, None, None

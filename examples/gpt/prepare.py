@@ -86,9 +86,10 @@ def text_files(source):
 
 
 def read_pieces(path, stdlib=False):
-    """A file's text, read PIECE bytes at a time and cut at a line break between two non-spaces: a BPE's
-    pre-tokenizer cuts there anyway, so the pieces encode as the whole file would. UTF-8 and the absence of
-    NUL are checked as it goes; the standard library's files become printable ASCII, tabs four spaces."""
+    """A file's text, read PIECE bytes at a time and cut at a line break between two non-spaces: a
+    BPE's pre-tokenizer cuts there anyway, so the pieces encode as the whole file would. UTF-8 and
+    the absence of NUL are checked as it goes; the standard library's files become printable ASCII,
+    tabs four spaces."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace" if stdlib else "strict")
     read, rest = 0, ""
     try:
@@ -194,9 +195,10 @@ def is_prepared(out, key):
 
 
 def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print, workers=None):
-    """Tokenize sources into out (see the module's docstring); returns the manifest. Raises PrepareError,
-    having written nothing, for input it cannot use. Memory stays flat: the text is read twice in pieces
-    (to train the tokenizer, then to encode it in `workers` processes) and the ids go to disk as they come."""
+    """Tokenize sources into out (see the module's docstring); returns the manifest. Raises
+    PrepareError, having written nothing, for input it cannot use. Memory stays flat: the text is
+    read twice in pieces (to train the tokenizer, then to encode it in `workers` processes) and the
+    ids go to disk as they come."""
     out = Path(out)
     if kind == "bpe" and vocab_size <= 256:
         raise PrepareError(f"--vocab_size {vocab_size}: a byte-level BPE needs more than 256 tokens")

@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 
 def setup_processes(timeout=600):
-    """(rank, world size, device). Under torchrun: join the process group (NCCL on GPUs, else gloo); a
-    process that waits longer than `timeout` seconds for the others, then or in any collective, fails."""
+    """(rank, world size, device). Under torchrun: join the process group (NCCL on GPUs, else
+    gloo); a process that waits longer than `timeout` seconds for the others, then or in any
+    collective, fails."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

@@ -32,8 +32,9 @@ def optimizers(optimizer):
 
 
 def fsdp_unsharded_grads(model):
-    """The whole-size gradients FSDP2 keeps between micro-batches while its gradient sync is off (not
-    parameters' .grad: they wait inside FSDP's own parameter records until a reduce-scatter)."""
+    """The whole-size gradients FSDP2 keeps between micro-batches while its gradient sync is off
+    (not parameters' .grad: they wait inside FSDP's own parameter records until a
+    reduce-scatter)."""
     from torch.distributed.fsdp import FSDPModule
 
     out = []
@@ -90,9 +91,10 @@ class MemoryMeter:
 
 
 class MemoryHistory:
-    """--memory_snapshot FILE, on a GPU: every CUDA allocation and free from the start, with its stack,
-    written to FILE at the end of training (or when it stops), for pytorch.org/memory_viz. The names are the
-    ones torch's CUDA memory documentation gives, underscored in torch itself. Not yet run on a GPU here."""
+    """--memory_snapshot FILE, on a GPU: every CUDA allocation and free from the start, with its
+    stack, written to FILE at the end of training (or when it stops), for pytorch.org/memory_viz.
+    The names are the ones torch's CUDA memory documentation gives, underscored in torch itself.
+    Not yet run on a GPU here."""
 
     def __init__(self, path, device, entries=100_000):
         self.path = path if device.type == "cuda" else None

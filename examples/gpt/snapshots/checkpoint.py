@@ -53,9 +53,10 @@ def save_file(path, state):
 
 
 def load_file(path, expected):
-    """The single-file snapshot at path, after checking that its entries in `expected` (model shape,
-    vocabulary) match. weights_only=True: only tensors and plain containers are unpickled, never objects
-    that run code; mmap: its tensors stay on disk until used (only the leader uses them: import_file)."""
+    """The single-file snapshot at path, after checking that its entries in `expected` (model
+    shape, vocabulary) match. weights_only=True: only tensors and plain containers are unpickled,
+    never objects that run code; mmap: its tensors stay on disk until used (only the leader uses
+    them: import_file)."""
     import torch
 
     try:

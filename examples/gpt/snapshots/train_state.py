@@ -94,8 +94,9 @@ def snapshot_config(args, corpus):
 
 
 def from_hf(args, corpus):
-    """A single-file snapshot's state (as export.py writes one) of a Hugging Face GPT-2 folder: its weights in
-    this run's model, a fresh AdamW, step 0; refused (HFError) when its vocabulary is not the corpus's."""
+    """A single-file snapshot's state (as export.py writes one) of a Hugging Face GPT-2 folder: its
+    weights in this run's model, a fresh AdamW, step 0; refused (HFError) when its vocabulary is
+    not the corpus's."""
     vocab = hf.read_config(args.init_from)["vocab_size"]
     if vocab != corpus.vocab_size:
         raise hf.HFError(
