@@ -277,7 +277,7 @@ torchft: $(ENV) ## step 3 with torchft: a lighthouse and two replica groups here
 pitfalls: $(ENV) ## the failures DDP users hit, each broken then fixed (examples/pitfalls): one line each
 	$(PY) demos/pitfalls.py
 
-# RUN: the folder whose hang/ holds the dumps that a timeout left (examples/gpt/hang.py, docs/troubleshooting.md)
+# RUN: the folder whose hang/ holds the dumps that a timeout left (examples/gpt/failures/hang.py, docs/troubleshooting.md)
 RUN ?=
 .PHONY: why-hung
 why-hung: $(ENV) ## which process hangs where, from the dumps of a timeout in RUN/hang: make why-hung RUN=FOLDER

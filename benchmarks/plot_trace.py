@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
-import traces  # examples/gpt/traces.py: what counts as compute and as a collective
+from observability import (
+    traces,  # examples/gpt/observability/traces.py: what counts as compute and as a collective
+)
 
 
 def spans(trace):

@@ -26,7 +26,8 @@ def run(script, fixed):
     """One run: its exit status (None if it outlived LIMIT), seconds, the lines it printed."""
     command = [sys.executable, str(script), *(["--fixed"] if fixed else [])]
     start = time.monotonic()
-    # what it writes in the temporary folder (the dumps on a timeout: examples/gpt/hang.py) goes with the run
+    # what it writes in the temporary folder (the dumps on a timeout: examples/gpt/failures/hang.py) goes
+    # with the run
     with tempfile.TemporaryDirectory(prefix="pitfall-") as tmp:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "TMPDIR": tmp}
         # a session of its own: on a timeout the script and every process it started are killed together

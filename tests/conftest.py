@@ -317,11 +317,13 @@ def example_cmd(name, *args, nproc=2, script=None, vision=False):
 
 
 def import_gpt_module(name):
-    """examples/gpt/NAME.py as a module of its own (gpt_NAME), its imports found beside it."""
+    """examples/gpt/NAME.py as a module of its own (gpt_NAME), its imports found from examples/gpt; NAME
+    may name a family's module: "failures.guards" is examples/gpt/failures/guards.py."""
     folder = str(EXAMPLES / "gpt")
     sys.path.insert(0, folder)
     try:
-        spec = importlib.util.spec_from_file_location(f"gpt_{name}", EXAMPLES / "gpt" / f"{name}.py")
+        path = EXAMPLES / "gpt" / f"{name.replace('.', '/')}.py"
+        spec = importlib.util.spec_from_file_location(f"gpt_{name.replace('.', '_')}", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its functions pickle by name (prepare.py's worker processes)
         spec.loader.exec_module(module)

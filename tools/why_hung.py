@@ -1,4 +1,4 @@
-"""Which process hangs where: read the dumps that examples/gpt/hang.py has every process write when a
+"""Which process hangs where: read the dumps that examples/gpt/failures/hang.py has every process write when a
 collective times out (FOLDER/hang/), and say in a few lines which process is in which collective, at which
 sequence number and source line, and which processes wrote nothing.
 

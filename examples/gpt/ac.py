@@ -1,6 +1,6 @@
-"""Activation checkpointing: which blocks keep only their input for the backward pass and recompute the
-rest there (--ac). Applied to the model's blocks before any parallelism, so it composes with every layout,
-and the FSDP or tensor-parallel block around it gathers or splits as before.
+"""Activation checkpointing: which blocks keep only their input for the backward pass and recompute
+the rest there (--ac). Applied to the model's blocks before any parallelism, so it composes with
+every layout, and the FSDP or tensor-parallel block around it gathers or splits as before.
 
     none       every block keeps its activations (fastest, most memory)
     full       every block recomputes: per block, its input is kept (batch x context x width values)
@@ -20,8 +20,8 @@ def recomputed_blocks(n_layer, mode, every):
 
 
 def apply_ac(model, mode, every):
-    """Mark the chosen blocks (by their index in the whole model, so a pipeline stage picks the blocks one
-    process would): model.Block.forward then runs them under torch.utils.checkpoint."""
+    """Mark the chosen blocks (by their index in the whole model, so a pipeline stage picks the
+    blocks one process would): model.Block.forward then runs them under torch.utils.checkpoint."""
     chosen = recomputed_blocks(model.cfg.n_layer, mode, every)
     for name, block in model.blocks.items():
         block.recompute = int(name) in chosen

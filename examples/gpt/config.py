@@ -5,10 +5,10 @@ import math
 import os
 from dataclasses import dataclass
 
-import failure
-import hf
 import torch
 from ac import MODES as AC_MODES
+from failures import failure
+from snapshots import hf
 
 # Model shape and the training settings that suit it.
 PRESETS = {

@@ -1,10 +1,10 @@
 """The tokens to train on, memory-mapped from shards on disk, and the batches drawn from them.
 
-Sources (--data): a folder that prepare.py wrote (its manifest.json names the tokenizer and the shards); a
-folder holding nanoGPT's train.bin and val.bin (uint16, read as they are); or text, prepared into the cache
-folder once (by the first process to get there) with --tokenizer: `stdlib` (the default) is the Python
-standard library's own source, present wherever Python is; a UTF-8 text file or a folder of them; an
-http(s) URL, downloaded once into the cache folder.
+Sources (--data): a folder that prepare.py wrote (its manifest.json names the tokenizer and the
+shards); a folder holding nanoGPT's train.bin and val.bin (uint16, read as they are); or text,
+prepared into the cache folder once (by the first process to get there) with --tokenizer: `stdlib`
+(the default) is the Python standard library's own source, present wherever Python is; a UTF-8 text
+file or a folder of them; an http(s) URL, downloaded once into the cache folder.
 """
 
 import contextlib
@@ -23,7 +23,7 @@ from pathlib import Path
 import prepare
 import tokenizer as tok
 import torch
-from checkpoint import atomic_write
+from snapshots.checkpoint import atomic_write
 
 
 class DataError(ValueError):
@@ -32,10 +32,11 @@ class DataError(ValueError):
 
 @contextlib.contextmanager
 def file_lock(path, timeout, what):
-    """Hold an exclusive lock on path while this process builds `what`; the others wait. The holder touches
-    the lock file every second, and a waiter gives up only after `timeout` seconds without a touch: it waits
-    as long as the holder lives, however long building takes. A DataError raised while holding it is left
-    in path.failed for those that waited, which end with the same message instead of trying again."""
+    """Hold an exclusive lock on path while this process builds `what`; the others wait. The holder
+    touches the lock file every second, and a waiter gives up only after `timeout` seconds without
+    a touch: it waits as long as the holder lives, however long building takes. A DataError raised
+    while holding it is left in path.failed for those that waited, which end with the same message
+    instead of trying again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     failed = path.with_suffix(".failed")
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -101,9 +102,9 @@ def download(url, dest, timeout):
 
 
 class Corpus:
-    """The train and validation tokens, memory-mapped from their shards (no process reads them whole), the
-    tokenizer they were made with (None for nanoGPT's shards without one), its digest, and the data's
-    (data_digest): what the processes of a run compare before they train."""
+    """The train and validation tokens, memory-mapped from their shards (no process reads them
+    whole), the tokenizer they were made with (None for nanoGPT's shards without one), its digest,
+    and the data's (data_digest): what the processes of a run compare before they train."""
 
     def __init__(self, folder, manifest, tokenizer, digest):
         self.folder, self.manifest, self.tokenizer, self.digest = folder, manifest, tokenizer, digest
@@ -138,10 +139,11 @@ SAMPLE = 1 << 20  # bytes read at each end of a shard that has no digest
 
 
 def sampled_digest(folder, manifest, tokenizer_digest):
-    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py wrote
-    before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and last MiB,
-    read once at start-up; never the whole corpus, which may be larger than memory. Two corpora of the
-    same sizes that differ only in their middle go unnoticed: prepare.py's digest covers every byte."""
+    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py
+    wrote before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and
+    last MiB, read once at start-up; never the whole corpus, which may be larger than memory. Two
+    corpora of the same sizes that differ only in their middle go unnoticed: prepare.py's digest
+    covers every byte."""
     digest = hashlib.sha256(f"{manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n".encode())
     for name in prepare.SHARDS:
         shard = manifest["shards"][name]
@@ -154,9 +156,9 @@ def sampled_digest(folder, manifest, tokenizer_digest):
 
 
 def disagreement(found):
-    """The sentence saying which processes would train on which data, from (data digest, host) of every
-    process in rank order (rank 0's data first named as the one the others differ from); None when every
-    process has the same."""
+    """The sentence saying which processes would train on which data, from (data digest, host) of
+    every process in rank order (rank 0's data first named as the one the others differ from); None
+    when every process has the same."""
     groups = {}  # digest: (ranks, hosts)
     for rank, (digest, host) in enumerate(found):
         ranks, hosts = groups.setdefault(digest, ([], []))
@@ -171,17 +173,17 @@ def disagreement(found):
 
 
 def map_ids(path, tokens, dtype):
-    """The first `tokens` ids of a shard, mapped, not read: pages are read when a window touches them.
-    shared=False: a private mapping, nothing is ever written back."""
+    """The first `tokens` ids of a shard, mapped, not read: pages are read when a window touches
+    them. shared=False: a private mapping, nothing is ever written back."""
     if tokens == 0:
         return torch.empty(0, dtype=dtype)
     return torch.from_file(str(path), shared=False, size=tokens, dtype=dtype)
 
 
 def open_shards(folder, vocab_size=None):
-    """The Corpus of a folder that prepare.py wrote, or of nanoGPT's train.bin and val.bin (uint16, with
-    GPT-2's vocabulary unless vocab_size, or a tokenizer.json or nanoGPT's meta.pkl beside them, says
-    otherwise; those two also decode samples)."""
+    """The Corpus of a folder that prepare.py wrote, or of nanoGPT's train.bin and val.bin (uint16,
+    with GPT-2's vocabulary unless vocab_size, or a tokenizer.json or nanoGPT's meta.pkl beside
+    them, says otherwise; those two also decode samples)."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / prepare.MANIFEST).read_text())
@@ -252,8 +254,8 @@ def open_nanogpt(folder, vocab_size):
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Reads plain containers, strings and numbers; refuses any pickle that names a class or a function,
-    before anything is called: unpickling those is how a pickle runs code."""
+    """Reads plain containers, strings and numbers; refuses any pickle that names a class or a
+    function, before anything is called: unpickling those is how a pickle runs code."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"it names {module}.{name}, where only plain data may be")
@@ -308,15 +310,15 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
 
 
 def step_offsets(seed, step, count, data_len, block_size):
-    """Start offsets of one step's global batch, a function of (seed, step) alone: the order does not
-    depend on the number of processes, and resuming at a step needs nothing but the step."""
+    """Start offsets of one step's global batch, a function of (seed, step) alone: the order does
+    not depend on the number of processes, and resuming at a step needs nothing but the step."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return torch.randint(0, data_len - block_size, (count,), generator=gen)
 
 
 def gather(data, offsets, block_size, device=None):
-    """Inputs and targets (shifted by one) for the given offsets, indexed where data lives (memory-mapped
-    shards: only these windows are read), then on `device`."""
+    """Inputs and targets (shifted by one) for the given offsets, indexed where data lives
+    (memory-mapped shards: only these windows are read), then on `device`."""
     idx = offsets.to(data.device, non_blocking=True)[:, None] + torch.arange(
         block_size + 1, device=data.device
     )

@@ -27,9 +27,10 @@ class GPTConfig:
 
     @property
     def padded_vocab(self):
-        """The embedding's rows and the head's outputs: the vocabulary rounded up to a multiple of 64, the
-        matrix shapes GPUs multiply fastest (GPT-2's 50257 -> 50304). The rows past the vocabulary are
-        never read in, and the head's frozen bias (padding_bias) keeps them out of the loss and samples."""
+        """The embedding's rows and the head's outputs: the vocabulary rounded up to a multiple of
+        64, the matrix shapes GPUs multiply fastest (GPT-2's 50257 -> 50304). The rows past the
+        vocabulary are never read in, and the head's frozen bias (padding_bias) keeps them out of
+        the loss and samples."""
         return -(-self.vocab_size // 64) * 64
 
 
@@ -37,8 +38,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.head_width, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
-        # the fused projection's outputs are laid out head by head, each head's q, k, v together: a split of
-        # its rows into equal parts (tensor parallelism) hands every part whole heads
+        # the fused projection's outputs are laid out head by head, each head's q, k, v together: a
+        # split of its rows into equal parts (tensor parallelism) hands every part whole heads
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
@@ -47,20 +48,23 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         batch, length, _ = x.shape
-        # (batch, length, heads * 3 * head width) -> three tensors of (batch, heads, length, head width); the
-        # head count comes from the tensor: a tensor-parallel process computes only its share of the heads
+        # (batch, length, heads * 3 * head width) -> three tensors of (batch, heads, length, head
+        # width); the head count comes from the tensor: a tensor-parallel process computes only its
+        # share of the heads
         q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
-        # is_causal: position t attends to positions <= t only, so later tokens never change earlier outputs
+        # is_causal: position t attends to positions <= t only, so later tokens never change
+        # earlier outputs
         y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, length, -1)
         return self.proj_dropout(self.proj(y))
 
     def attend(self, q, k, v, dropout):
-        """Causal attention. Under tensor parallelism the processes of one batch share one random stream
-        (the dropout after each block must agree), so without care each share of the heads would draw the
-        same attention masks: heads j and j + heads/N alike. Here every share draws from its own stream,
-        seeded from the shared one (which so moves alike everywhere), as distinct heads do in one process.
-        The kernel is the first of attention_backends(device) that takes these inputs."""
+        """Causal attention. Under tensor parallelism the processes of one batch share one random
+        stream (the dropout after each block must agree), so without care each share of the heads
+        would draw the same attention masks: heads j and j + heads/N alike. Here every share draws
+        from its own stream, seeded from the shared one (which so moves alike everywhere), as
+        distinct heads do in one process. The kernel is the first of attention_backends(device)
+        that takes these inputs."""
         with sdpa_kernel(attention_backends(q.device), set_priority=True):
             if not dropout or self.head_share is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -69,10 +73,11 @@ class CausalSelfAttention(nn.Module):
 
 
 def attention_backends(device):
-    """The attention kernels asked for, first choice first. On GPUs cuDNN's (reported 1.7-2.3x as fast as
-    FlashAttention-2 for training shapes on Hopper), then FlashAttention, memory-efficient, math; each takes
-    only some types, head widths and dropout, so the first that takes the call runs. The CPU has two kernels,
-    torch's own flash attention (no dropout) and math, and tries them in that order whatever the list."""
+    """The attention kernels asked for, first choice first. On GPUs cuDNN's (reported 1.7-2.3x as
+    fast as FlashAttention-2 for training shapes on Hopper), then FlashAttention, memory-efficient,
+    math; each takes only some types, head widths and dropout, so the first that takes the call
+    runs. The CPU has two kernels, torch's own flash attention (no dropout) and math, and tries
+    them in that order whatever the list."""
     if device.type == "cuda":
         return [
             SDPBackend.CUDNN_ATTENTION,
@@ -84,9 +89,10 @@ def attention_backends(device):
 
 
 def attention_kernel(cfg, device, dtype, dropout):
-    """The kernel attend() runs in training, by name, found by running attention once on one sequence of
-    cfg's shape as attend() does: each fused kernel has a backward of its own, named after it (for example
-    ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made of ordinary operations."""
+    """The kernel attend() runs in training, by name, found by running attention once on one
+    sequence of cfg's shape as attend() does: each fused kernel has a backward of its own, named
+    after it (for example ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made
+    of ordinary operations."""
     shape = (1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
     # its random numbers (and dropout's) from a copy of the random state: training's streams stay as they were
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -99,8 +105,9 @@ def attention_kernel(cfg, device, dtype, dropout):
 
 @contextmanager
 def own_stream(share, device):
-    """A random stream of this share's own (of the heads, the positions or the pipeline's stages) for the
-    code inside, seeded from the stream the processes of one batch share, which so moves alike everywhere."""
+    """A random stream of this share's own (of the heads, the positions or the pipeline's stages)
+    for the code inside, seeded from the stream the processes of one batch share, which so moves
+    alike everywhere."""
     seed = int(torch.randint(2**62, ()))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + share)
@@ -138,8 +145,8 @@ class Block(nn.Module):
         self.recompute = False  # activation checkpointing (ac.apply_ac)
 
     def forward(self, x):
-        # grad mode read first: evaluation and sampling then never read recompute, so a compiled block's
-        # graphs for them serve every block (parallel.apply_compile), recomputed or not
+        # grad mode read first: evaluation and sampling then never read recompute, so a compiled
+        # block's graphs for them serve every block (parallel.apply_compile), recomputed or not
         if torch.is_grad_enabled() and self.recompute:
             # keep the input only; backward recomputes the rest, with the same random state (dropout)
             return checkpoint(self.residual, x, use_reentrant=False)
@@ -164,8 +171,9 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # one matrix reads tokens in and scores them out
         if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
             self.head.bias.requires_grad_(False)
-        # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits split over
-        # the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss computed on that split
+        # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits
+        # split over the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss
+        # computed on that split
         self.loss_chunk = 1024
         # a pipeline's last stage sets it (parallel.split_stage): forward then stops at the final norm, and
         # the schedule's loss function applies the head (head_loss), so its loss is chunked too
@@ -180,9 +188,9 @@ class GPT(nn.Module):
                 param.copy_(initial_value(name, param.shape, self.cfg, seed))
 
     def forward(self, idx, targets=None):
-        """Logits (batch, length, vocab); with targets, (None, the mean cross-entropy over all positions):
-        the loss is computed from the final norm's output (head_loss), never from whole logits. A pipeline
-        stage's module maps what it receives to what it sends on (layers)."""
+        """Logits (batch, length, vocab); with targets, (None, the mean cross-entropy over all
+        positions): the loss is computed from the final norm's output (head_loss), never from whole
+        logits. A pipeline stage's module maps what it receives to what it sends on (layers)."""
         x = self.layers(idx)
         if self.head is None or self.stop_before_head:
             return x
@@ -218,8 +226,8 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def generate(logits_of, idx, new_tokens, block_size, *, temperature=0.8, top_k=None, generator=None):
-    """Append new_tokens sampled one at a time from logits_of(context) (batch, length, vocab); the context
-    is cut to the last block_size tokens."""
+    """Append new_tokens sampled one at a time from logits_of(context) (batch, length, vocab); the
+    context is cut to the last block_size tokens."""
     for _ in range(new_tokens):
         logits = logits_of(idx[:, -block_size:])
         logits = logits[:, -1, :].float() / temperature
@@ -234,10 +242,11 @@ def generate(logits_of, idx, new_tokens, block_size, *, temperature=0.8, top_k=N
 
 
 def initial_value(name, shape, cfg, seed):
-    """Parameter `name`'s initial value, whole, on the CPU, from a generator seeded by (seed, name) alone:
-    a process that holds a part of it takes that part, so every layout starts from the same weights as one
-    process, and none builds more than one whole parameter at a time. As GPT-2: normal(0, 0.02) matrices
-    and embeddings, the projections into the residual stream smaller by depth, zero biases, unit norms."""
+    """Parameter `name`'s initial value, whole, on the CPU, from a generator seeded by (seed, name)
+    alone: a process that holds a part of it takes that part, so every layout starts from the same
+    weights as one process, and none builds more than one whole parameter at a time. As GPT-2:
+    normal(0, 0.02) matrices and embeddings, the projections into the residual stream smaller by
+    depth, zero biases, unit norms."""
     if name == "head.bias":
         return padding_bias(shape, cfg)
     if name.endswith("bias"):
@@ -260,9 +269,9 @@ def padding_bias(shape, cfg):
 
 
 def init_buffers(model):
-    """Buffers (a rotary table, a mask) have no values on the meta device, nor after to_empty: every module
-    that holds some says how to fill them, in a method init_buffers(), called here once its storage exists.
-    model.py's GPT has none."""
+    """Buffers (a rotary table, a mask) have no values on the meta device, nor after to_empty:
+    every module that holds some says how to fill them, in a method init_buffers(), called here
+    once its storage exists. model.py's GPT has none."""
     missing = []
     for name, module in model.named_modules():
         own = [f"{name}.{b}".lstrip(".") for b, _ in module.named_buffers(recurse=False)]
@@ -281,17 +290,18 @@ def cross_entropy(logits, targets):
 
 
 def chunked_cross_entropy(x, weight, bias, targets, chunk):
-    """cross_entropy(F.linear(x, weight, bias), targets), `chunk` positions at a time: only one chunk's
-    logits, and their float32 copy, exist at once."""
+    """cross_entropy(F.linear(x, weight, bias), targets), `chunk` positions at a time: only one
+    chunk's logits, and their float32 copy, exist at once."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     return ChunkedCrossEntropy.apply(x, weight, bias, targets, chunk, torch.is_grad_enabled())
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The head and the loss, one chunk of positions at a time, as Liger-Kernel's fused linear
-    cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax minus the
-    target's one-hot, for the sum of the chunk's losses) and from it the gradients of x, the weight and a
-    bias that trains; backward only scales them. No logits are kept for backward nor recomputed there."""
+    cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax
+    minus the target's one-hot, for the sum of the chunk's losses) and from it the gradients of x,
+    the weight and a bias that trains; backward only scales them. No logits are kept for backward
+    nor recomputed there."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, grad_enabled):
@@ -308,7 +318,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total -= log_probs.gather(1, ts[:, None]).sum()
             if not any(wants):
                 continue
-            # the gradient of the chunk's summed loss by its logits, in place of the log-probabilities
+            # the gradient of the chunk's summed loss by its logits, in place of the
+            # log-probabilities
             grad = log_probs.exp_()
             grad[torch.arange(len(ts), device=ts.device), ts] -= 1
             grad = grad.to(logits.dtype)  # the matmuls below in the head's type (autocast's bf16)
@@ -324,8 +335,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own gradient (a
-        # gradient scaler's factor), in place: backward runs once. autograd casts each to its input's type
+        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own
+        # gradient (a gradient scaler's factor), in place: backward runs once. autograd casts each
+        # to its input's type
         scale = grad_loss / ctx.count
         grads = [None if g is None else g.mul_(scale) for g in ctx.saved_tensors]
         return *grads, None, None, None
@@ -338,10 +350,10 @@ def parameter_count(model, non_embedding=True):
 
 
 def flops_per_token(model, llmc=False):
-    """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and mixing,
-    12 * layers * width * context (heads * head width = width). llmc=True: llm.c's count (gpt2_estimate_mfu
-    in train_gpt2.cu), 6 per trained parameter, the position embedding's too, and 6 * layers * width *
-    context."""
+    """Training FLOPs per token, forward and backward: 6 per weight plus attention's scores and
+    mixing, 12 * layers * width * context (heads * head width = width). llmc=True: llm.c's count
+    (gpt2_estimate_mfu in train_gpt2.cu), 6 per trained parameter, the position embedding's too,
+    and 6 * layers * width * context."""
     cfg = model.cfg
     if llmc:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # not the padding bias

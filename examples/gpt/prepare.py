@@ -4,15 +4,16 @@
     python examples/gpt/prepare.py my_texts/ notes.txt --out data/mine --vocab_size 8192
     python examples/gpt/prepare.py --out data/chars --tokenizer char
 
-OUT then holds tokenizer.json, train.bin and val.bin (the ids, uint16 where the vocabulary fits, else uint32;
-no header, as nanoGPT writes them) and manifest.json (the tokenizer's digest, the token counts, the dtype, the
-shard sizes, a fingerprint of the input, and the data's digest: of the tokenizer and every id, which the
-processes of a run compare before they train). Running it again on the same input and options does nothing.
-Every file is written next to its final name and renamed into place (checkpoint.atomic_write): a manifest that
-says the folder is incomplete first, the complete manifest last. A run stopped before it writes leaves the
-previous output; stopped later, a folder that train.py refuses in one line and prepare.py, run again, redoes;
-never a half shard under a shard's name, nor shards without a manifest (which would read as nanoGPT's).
-Memory does not grow with the text: it is read twice, a piece at a time (to train the tokenizer, then to
+OUT then holds tokenizer.json, train.bin and val.bin (the ids, uint16 where the vocabulary fits,
+else uint32; no header, as nanoGPT writes them) and manifest.json (the tokenizer's digest, the
+token counts, the dtype, the shard sizes, a fingerprint of the input, and the data's digest: of the
+tokenizer and every id, which the processes of a run compare before they train). Running it again
+on the same input and options does nothing. Every file is written next to its final name and
+renamed into place (checkpoint.atomic_write): a manifest that says the folder is incomplete first,
+the complete manifest last. A run stopped before it writes leaves the previous output; stopped
+later, a folder that train.py refuses in one line and prepare.py, run again, redoes; never a half
+shard under a shard's name, nor shards without a manifest (which would read as nanoGPT's). Memory
+does not grow with the text: it is read twice, a piece at a time (to train the tokenizer, then to
 encode it in --workers processes, the cores by default), and the ids go to disk as they come.
 """
 
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import tokenizer as tok
 import torch
-from checkpoint import atomic_write, fsync_dir
+from snapshots.checkpoint import atomic_write, fsync_dir
 from tqdm import tqdm
 
 FORMAT = 1
@@ -67,8 +68,8 @@ def stdlib_paths():
 
 
 def text_files(source):
-    """The files a source stands for: the file itself, or every file under a folder (sorted, hidden ones
-    left out)."""
+    """The files a source stands for: the file itself, or every file under a folder (sorted, hidden
+    ones left out)."""
     if source == "stdlib":
         return stdlib_paths()
     path = Path(source)
@@ -87,9 +88,10 @@ def text_files(source):
 
 
 def read_pieces(path, stdlib=False):
-    """A file's text, read PIECE bytes at a time and cut at a line break between two non-spaces: a BPE's
-    pre-tokenizer cuts there anyway, so the pieces encode as the whole file would. UTF-8 and the absence of
-    NUL are checked as it goes; the standard library's files become printable ASCII, tabs four spaces."""
+    """A file's text, read PIECE bytes at a time and cut at a line break between two non-spaces: a
+    BPE's pre-tokenizer cuts there anyway, so the pieces encode as the whole file would. UTF-8 and
+    the absence of NUL are checked as it goes; the standard library's files become printable ASCII,
+    tabs four spaces."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace" if stdlib else "strict")
     read, rest = 0, ""
     try:
@@ -160,8 +162,8 @@ def fingerprint(sources, kind, vocab_size, dtype):
 
 
 def given_tokenizer(path):
-    """(tokenizer, digest) of a tokenizer file, or of the tokenizer.json in a folder (a Hugging Face model's):
-    the ids are then that tokenizer's, to train a model that already reads them."""
+    """(tokenizer, digest) of a tokenizer file, or of the tokenizer.json in a folder (a Hugging
+    Face model's): the ids are then that tokenizer's, to train a model that already reads them."""
     path = Path(path) / TOKENIZER if Path(path).is_dir() else Path(path)
     try:
         tokenizer, digest = tok.load(path)
@@ -195,9 +197,10 @@ def is_prepared(out, key):
 
 
 def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print, workers=None):
-    """Tokenize sources into out (see the module's docstring); returns the manifest. Raises PrepareError,
-    having written nothing, for input it cannot use. Memory stays flat: the text is read twice in pieces
-    (to train the tokenizer, then to encode it in `workers` processes) and the ids go to disk as they come."""
+    """Tokenize sources into out (see the module's docstring); returns the manifest. Raises
+    PrepareError, having written nothing, for input it cannot use. Memory stays flat: the text is
+    read twice in pieces (to train the tokenizer, then to encode it in `workers` processes) and the
+    ids go to disk as they come."""
     out = Path(out)
     if kind == "bpe" and vocab_size <= 256:
         raise PrepareError(f"--vocab_size {vocab_size}: a byte-level BPE needs more than 256 tokens")
@@ -224,9 +227,9 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
     dtype = shard_dtype(tokenizer.vocab_size, dtype)
     spec = tokenizer.to_str()
     out.mkdir(parents=True, exist_ok=True)
-    # The manifest first says the folder is being written, so that it is never read as nanoGPT's shards
-    # (train.bin, no manifest) nor as prepared before the last file is in place; each file is written
-    # beside its name and renamed over it (atomic_write), the complete manifest last.
+    # The manifest first says the folder is being written, so that it is never read as nanoGPT's
+    # shards (train.bin, no manifest) nor as prepared before the last file is in place; each file
+    # is written beside its name and renamed over it (atomic_write), the complete manifest last.
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(INCOMPLETE).encode()))
     atomic_write(out / TOKENIZER, lambda f: f.write(spec.encode()))
     sizes, counts, data_digest = write_shards(out, spec, tokenizer.vocab_size, sources, dtype, total, workers)
@@ -278,9 +281,9 @@ def make_tokenizer(kind, vocab_size, texts, log):
 
 
 def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
-    """Encode the sources with the tokenizer `spec` into out's two shards, the ids going to disk as they
-    come; returns ({shard: tokens}, each id's count in the training shard, the data's digest: of the
-    tokenizer, the dtype, and each shard's name, size and ids)."""
+    """Encode the sources with the tokenizer `spec` into out's two shards, the ids going to disk as
+    they come; returns ({shard: tokens}, each id's count in the training shard, the data's digest:
+    of the tokenizer, the dtype, and each shard's name, size and ids)."""
     scratch = out / f"ids.tmp.{os.getpid()}"  # every id in order, split into the two shards at the end
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:
@@ -305,8 +308,8 @@ def write_shards(out, spec, vocab_size, sources, dtype, total, workers):
 
 
 def copy_ids(src, dest, count, dtype, counts, digest):
-    """count ids of dtype from the file src to dest, a block at a time, each block into the hash digest;
-    counts (if given) adds up each id."""
+    """count ids of dtype from the file src to dest, a block at a time, each block into the hash
+    digest; counts (if given) adds up each id."""
     while count > 0:
         block = np.fromfile(src, dtype=dtype, count=min(count, PIECE))
         raw = block.tobytes()
@@ -318,15 +321,15 @@ def copy_ids(src, dest, count, dtype, counts, digest):
 
 
 def encode(spec, texts, workers=None):
-    """The ids of each (text, last) piece, in order, as numpy arrays: encoded in `workers` processes (the
-    cores by default), with at most two pieces a worker in flight."""
+    """The ids of each (text, last) piece, in order, as numpy arrays: encoded in `workers`
+    processes (the cores by default), with at most two pieces a worker in flight."""
     workers = workers or len(os.sched_getaffinity(0))
     if workers == 1:
         start_worker(spec)
         yield from map(encode_piece, texts)
         return
-    # forked workers encode a piece each, without threads: tokenizers' own stay off (and silent about the
-    # fork), torch's are one
+    # forked workers encode a piece each, without threads: tokenizers' own stay off (and silent
+    # about the fork), torch's are one
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with multiprocessing.get_context("fork").Pool(workers, start_worker, (spec,)) as pool:
         pending = collections.deque()

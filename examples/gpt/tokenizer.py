@@ -1,6 +1,7 @@
-"""Tokenizers, each saved as one JSON file whose SHA-256 names it: a character tokenizer (the text's distinct
-characters, sorted), or a byte-level BPE trained with Hugging Face `tokenizers` (GPT-2's scheme: any text
-encodes, nothing is unknown). Only BPE needs the `tokenizers` package, imported when used."""
+"""Tokenizers, each saved as one JSON file whose SHA-256 names it: a character tokenizer (the
+text's distinct characters, sorted), or a byte-level BPE trained with Hugging Face `tokenizers`
+(GPT-2's scheme: any text encodes, nothing is unknown). Only BPE needs the `tokenizers` package,
+imported when used."""
 
 import hashlib
 import json

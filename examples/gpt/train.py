@@ -1,5 +1,5 @@
-"""Train a GPT: one process, or one per GPU (or 2 on CPU) under torchrun, DDP by default or
-any layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel processes on one mesh.
+"""Train a GPT: one process, or one per GPU (or 2 on CPU) under torchrun, DDP by default or any
+layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel processes on one mesh.
 
     python examples/gpt/train.py                                  # one process, the default corpus
     torchrun --standalone --nproc-per-node=2 examples/gpt/train.py --max_steps 500
@@ -17,18 +17,15 @@ with --help for every option. Text is tokenized into shards first (prepare.py, o
 import os
 import socket
 
-import checkpoint
 import data
-import failure
-import guards
-import hang
-import hf
-import preempt
 import torch
 import torch.distributed as dist
 from config import parse_args
-from train_state import all_ranks, from_hf, snapshot_config
-from trainer import Trainer, setup_processes
+from failures import failure, guards, hang, preempt
+from processes import all_ranks, setup_processes
+from snapshots import checkpoint, hf
+from snapshots.train_state import from_hf, snapshot_config
+from trainer import Trainer
 
 
 def main():
@@ -36,8 +33,8 @@ def main():
     gpus, local_procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if gpus and local_procs > gpus:
         parser.error(f"{local_procs} processes per node but only {gpus} GPUs: lower --nproc-per-node")
-    # Everything that can be wrong with the input is found here, in every process, before any process
-    # group forms or any file is written.
+    # Everything that can be wrong with the input is found here, in every process, before any
+    # process group forms or any file is written.
     try:
         corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenizer, args.vocab_size)
         corpus.check(args.block_size)

@@ -1,7 +1,7 @@
 """Pitfall: collectives that differ between ranks. Rank 0 all-reduces while rank 1 broadcasts (a branch on
 the rank): each waits for a partner that never comes, a hang until the timeout, or worse, a silent mix-up.
-On the timeout each process dumps its collectives (examples/gpt/hang.py) and tools/why_hung.py names both
-sides; TORCH_DISTRIBUTED_DEBUG=DETAIL would check every collective first, at a cost in each.
+On the timeout each process dumps its collectives (examples/gpt/failures/hang.py) and tools/why_hung.py
+names both sides; TORCH_DISTRIBUTED_DEBUG=DETAIL would check every collective first, at a cost in each.
 
 python examples/pitfalls/mismatched_collectives.py [--fixed]    # --fixed: the same calls on every rank
 """
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
-import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
+from failures import hang  # noqa: E402  (examples/gpt/failures/hang.py: on a timeout every process dumps its stack and collectives)
 
 
 def worker(rank, fixed, folder):

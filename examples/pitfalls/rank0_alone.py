@@ -1,7 +1,8 @@
 """Pitfall: rank 0 works alone (saves, evaluates, logs to a slow disk) while the other ranks go on to the
 next collective. They wait for rank 0 there; if its work takes longer than the timeout, the run fails, and
 with torch's default timeouts (30 min gloo, 10 min NCCL) it looks like a hang first. On the timeout, every
-process dumps its stack (examples/gpt/hang.py) and tools/why_hung.py names the one outside the collective.
+process dumps its stack (examples/gpt/failures/hang.py) and tools/why_hung.py names the one outside the
+collective.
 
 python examples/pitfalls/rank0_alone.py [--fixed]    # --fixed: every rank takes its share of the work
 """
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
-import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
+from failures import hang  # noqa: E402  (examples/gpt/failures/hang.py: on a timeout every process dumps its stack and collectives)
 
 TIMEOUT = timedelta(seconds=3)  # short here, so that the failure shows in seconds
 WORK = 6.0  # seconds of evaluation in all: longer than the timeout when one rank does it alone

@@ -2,7 +2,8 @@
 it broadcasts rank 0's buffers (BatchNorm's running statistics) to the others, which are not there. Their
 next collective meets that broadcast instead: a mismatch, and both wait until the timeout. Unlike
 rank0_alone.py, nothing is slow: the evaluation takes milliseconds, but holds a hidden collective. On the
-timeout every process dumps its collectives (examples/gpt/hang.py) and tools/why_hung.py names both sides.
+timeout every process dumps its collectives (examples/gpt/failures/hang.py) and tools/why_hung.py names
+both sides.
 
 python examples/pitfalls/rank0_eval_ddp.py [--fixed]    # --fixed: rank 0 evaluates model.module
 """
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
-import hang  # noqa: E402  (examples/gpt/hang.py: on a timeout every process dumps its stack and collectives)
+from failures import hang  # noqa: E402  (examples/gpt/failures/hang.py: on a timeout every process dumps its stack and collectives)
 
 TIMEOUT = timedelta(seconds=3)  # short here, so that the failure shows in seconds
 VALID = torch.randn(16, 4, generator=torch.Generator().manual_seed(9))  # the validation set

@@ -273,7 +273,7 @@ def test_the_gradient_norm_of_step_1_is_the_plain_models_own(tmp_path, cache):
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     (logged,) = [r["grad_norm"] for r in records if "grad_norm" in r]
     config, data, model_mod, parallel, train_state = map(
-        import_gpt_module, ("config", "data", "model", "parallel", "train_state")
+        import_gpt_module, ("config", "data", "model", "parallel", "snapshots.train_state")
     )
     _, a = config.parse_args([str(arg) for arg in [*TINY, "--batch_size", 16, "--cache_dir", cache]])
     corpus = data.load_corpus(a.data, a.cache_dir, a.timeout, a.tokenizer, a.vocab_size)
@@ -417,7 +417,7 @@ def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache
 )
 def test_gloos_ways_of_losing_a_collective_each_dump_and_are_named(error, monkeypatch, tmp_path, capsys):
     """Gloo's ways of losing a collective to a hang each dump and are named."""
-    failure = import_gpt_module("failure")
+    failure = import_gpt_module("failures.failure")
     monkeypatch.setattr(failure.hang, "dump", lambda *args: [])  # what it would return: nobody silent
     args = argparse.Namespace(snapshot_path=str(tmp_path), dist_timeout=15.0)
     with pytest.raises(SystemExit) as exit_:
@@ -535,7 +535,7 @@ def test_ctrl_c_in_one_process_saves_and_ends_without_a_traceback(tmp_path, cach
 
 
 def preempt_name(signum):
-    return import_gpt_module("preempt").NAMES[signum]
+    return import_gpt_module("failures.preempt").NAMES[signum]
 
 
 class RunsCode:
@@ -550,7 +550,7 @@ def test_a_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path, cache,
         path.write_bytes(pickle.dumps({"config": RunsCode()}))
         message = "not a plain weights file"
     else:
-        import_gpt_module("checkpoint").save_file(path, saved(ddp2[0]))
+        import_gpt_module("snapshots.checkpoint").save_file(path, saved(ddp2[0]))
         message = "another configuration: n_layer 2 (this run: 3)"
     before = path.read_bytes()
     # torch.load's own default made unsafe: only the trainer's weights_only=True stands in the way

@@ -152,7 +152,7 @@ def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
 
 
 def test_mfu_uses_each_gpus_own_peak(monkeypatch):
-    trainer = import_gpt_module("trainer")
+    metrics = import_gpt_module("observability.metrics")
     args = argparse.Namespace(peak_tflops=None)
     expected = {
         "NVIDIA H100 NVL": 835e12,
@@ -163,7 +163,7 @@ def test_mfu_uses_each_gpus_own_peak(monkeypatch):
     }
     for name, peak in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert trainer.peak_flops(args, torch.device("cuda")) == peak, name
+        assert metrics.peak_flops(args, torch.device("cuda")) == peak, name
 
 
 def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):

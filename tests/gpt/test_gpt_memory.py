@@ -4,10 +4,10 @@ gathers each block once a step with a dropout stream per stage, and initial valu
 run trains unclipped (--grad_clip 0), so a wrong gradient scale shows in the weights and the AdamW state.
 Tiny model, a few steps each.
 
-And the memory meter (examples/gpt/memory.py) with the report of benchmarks/gpt_memory.py built on it: its
-counts per rank against a direct count, under DDP and FSDP2, and its refusals. The report's runs: under
-60 s (49 s on 2 shared cores at load average 2 to 3, 110 s at 4 to 5; each torchrun start imports torch
-three times)."""
+And the memory meter (examples/gpt/observability/memory.py) with the report of benchmarks/gpt_memory.py
+built on it: its counts per rank against a direct count, under DDP and FSDP2, and its refusals. The
+report's runs: under 60 s (49 s on 2 shared cores at load average 2 to 3, 110 s at 4 to 5; each torchrun
+start imports torch three times)."""
 
 import json
 import re
@@ -296,7 +296,7 @@ def test_sharded_parameters_count_their_local_shard_only(tmp_path):
 
 
 def test_tied_weights_count_once_and_inner_optimizers_are_found():
-    meter_module = import_gpt_module("memory")
+    meter_module = import_gpt_module("observability.memory")
     embed, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     model = torch.nn.Sequential(embed, head)

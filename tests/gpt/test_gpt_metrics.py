@@ -52,7 +52,7 @@ def scalars_from_event_files(folder):
 
 def expected_scalars(records):
     """{tag: {step: value}} that the JSON lines say the event files hold."""
-    tags = import_gpt_module("metrics").TAGS
+    tags = import_gpt_module("observability.metrics").TAGS
     out = {}
     for record in records:
         for key, value in record.items():
@@ -123,7 +123,7 @@ def test_each_process_writes_a_trace_and_prints_its_breakdown(slowed):
 
 
 def test_the_breakdown_counts_overlapping_spans_once_and_their_overlap():
-    breakdown = import_gpt_module("traces").breakdown
+    breakdown = import_gpt_module("observability.traces").breakdown
     spans = [  # (name, category, start, duration) in microseconds
         ("aten::mm", "cpu_op", 0, 1000),
         ("aten::add", "cpu_op", 500, 1000),  # nested in time with the first: 0-1500 in all

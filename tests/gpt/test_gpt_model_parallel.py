@@ -138,7 +138,7 @@ def test_a_ddp_snapshot_resumes_as_pp_x_fsdp(tmp_path, cache, one):  # noqa: F81
 
 
 def test_a_single_file_is_imported_into_a_sharded_layout(tmp_path, cache, one):  # noqa: F811
-    checkpoint = import_gpt_module("checkpoint")
+    checkpoint = import_gpt_module("snapshots.checkpoint")
     checkpoint.save_file(tmp_path / "step20.pt", saved(one[0], "step20"))
     args = ["--parallel", "fsdp", "--batch_size", 8, "--init_from", "step20.pt"]
     proc = train(tmp_path, cache, *RUN, *args, nproc=2)
@@ -302,7 +302,7 @@ def test_an_infinite_gradient_on_one_process_acts_on_every_process(tmp_path, cac
 
 
 def test_the_loss_scale_and_its_clean_steps_survive_a_snapshot():
-    guards = import_gpt_module("guards")
+    guards = import_gpt_module("failures.guards")
     scaler = guards.LossScaler(True, scale=1024.0, interval=3)
     for overflow in (True, False, False):
         scaler.update(overflow)

@@ -530,7 +530,7 @@ def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts)
     GPT-2's order: by 0.28."""
     from safetensors.torch import load_file
 
-    hf_mod, model_mod = import_gpt_module("hf"), import_gpt_module("model")
+    hf_mod, model_mod = import_gpt_module("snapshots.hf"), import_gpt_module("model")
     folder = tmp_path / "gpt2-small-ish"
     theirs = small_gpt2(folder, bpe / "tokenizer.json")
     shape = hf_mod.read_config(folder)
@@ -562,7 +562,7 @@ def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts)
 
 
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
-    names = ("config", "model", "train_state", "data")
+    names = ("config", "model", "snapshots.train_state", "data")
     config, model_mod, train_state, data = (import_gpt_module(n) for n in names)
     _, args = config.parse_args(["--model", "gpt2", "--dtype", "fp32"])
     assert args.tokenizer == "bpe" and data.GPT2_VOCAB == 50257  # text --data gets a BPE of this size

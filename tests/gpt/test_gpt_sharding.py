@@ -92,7 +92,7 @@ def test_fsdp_on_2_ranks_equals_ddp_and_keeps_the_tied_matrix_one(runs):
     # the tied matrix stayed one parameter in training: AdamW state for the embedding, none for the head
     snapshot = runs["fsdp_dir"] / "gpt_snapshot"
     with open(next(snapshot.glob("step-*/.metadata")), "rb") as f:
-        saved = import_gpt_module("checkpoint").MetadataUnpickler(f).load().state_dict_metadata
+        saved = import_gpt_module("snapshots.checkpoint").MetadataUnpickler(f).load().state_dict_metadata
     assert "optimizer.state.tok_emb.weight.exp_avg" in saved
     assert not [key for key in saved if key.startswith("optimizer.state.head.")], sorted(saved)
     print(f"fsdp vs ddp, 40 steps: max parameter difference {max_diff(ddp['model'], fsdp['model']):.3g}")
@@ -175,7 +175,7 @@ def plant(kind, snapshot_dir, tmp_path):
         return step_dir / ".metadata"
     if kind == "escaping":  # the data moved out of the folder, and .metadata naming it there
         with open(step_dir / ".metadata", "rb") as f:
-            metadata = import_gpt_module("checkpoint").MetadataUnpickler(f).load()
+            metadata = import_gpt_module("snapshots.checkpoint").MetadataUnpickler(f).load()
         for item in metadata.storage_data.values():
             outside = tmp_path / item.relative_path
             if not outside.exists():
@@ -185,7 +185,7 @@ def plant(kind, snapshot_dir, tmp_path):
         return step_dir / ".metadata"
     # distcp: the same checkpoint written again by DCP itself, with one optimizer setting an object
     _, model, optimizer = import_gpt_module("export").load_whole(snapshot_dir)
-    state = import_gpt_module("checkpoint").flat_state(model, optimizer)
+    state = import_gpt_module("snapshots.checkpoint").flat_state(model, optimizer)
     lr = next(k for k in state if k.startswith("optimizer.param_groups.") and k.endswith(".lr"))
     state[lr] = RunsCode()
     for old in step_dir.glob("*.distcp"):
@@ -246,7 +246,7 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
 def test_metadata_may_name_only_data_records(module, name):
     payload = pickle.dumps(None, protocol=2).replace(b"N", f"c{module}\n{name}\n".encode(), 1)
     with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint's metadata"):
-        import_gpt_module("checkpoint").MetadataUnpickler(io.BytesIO(payload)).load()
+        import_gpt_module("snapshots.checkpoint").MetadataUnpickler(io.BytesIO(payload)).load()
 
 
 # ---- bad input ----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import runpy
 import signal
 import sys
 
-import checkpoint
+from snapshots import checkpoint
 
 save_file = checkpoint.save_file
 

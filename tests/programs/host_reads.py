@@ -25,7 +25,7 @@ def counting(name):
     original = getattr(torch.Tensor, name)
 
     def read(self, *args, **kwargs):
-        if state["step"] and Path(sys._getframe(1).f_code.co_filename).parent == GPT:  # from step 1 on
+        if state["step"] and GPT in Path(sys._getframe(1).f_code.co_filename).parents:  # step 1 on
             reads[state["step"]] = reads.get(state["step"], 0) + 1
         return original(self, *args, **kwargs)
 

@@ -21,12 +21,12 @@ import sys
 
 import config
 import data
-import preempt
 import torch
 import torch.distributed as dist
+from failures import preempt
 from parallel import local
-from train_state import all_ranks
-from trainer import Trainer, setup_processes
+from processes import all_ranks, setup_processes
+from trainer import Trainer
 
 
 def degrees(world, most):

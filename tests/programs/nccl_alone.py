@@ -8,9 +8,9 @@ import sys
 import time
 from datetime import timedelta
 
-import hang
 import torch
 import torch.distributed as dist
+from failures import hang
 
 folder, rank = sys.argv[1], int(os.environ["RANK"])
 torch.cuda.set_device(rank)

@@ -9,10 +9,10 @@ import os
 import runpy
 import sys
 
-import guards
 import parallel
 import torch.distributed as dist
 import trainer
+from failures import guards
 
 if os.environ.get("FP16") == "1":
 

@@ -7,8 +7,8 @@ import os
 import runpy
 import sys
 
-import guards
 import torch.distributed as dist
+from failures import guards
 
 verdict, calls = guards.verdict, []
 

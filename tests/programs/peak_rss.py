@@ -11,6 +11,6 @@ sys.path.insert(0, str(__import__("pathlib").Path(sys.argv[0]).parent))
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:
-    from memory import max_rss
+    from observability.memory import max_rss
 
     print(f"peak RSS {max_rss()}", flush=True)

@@ -6,13 +6,13 @@ Started by tests/gpt/test_gpt_sharding.py."""
 import os
 import sys
 
-import checkpoint
 import data
-import preempt
-import train_state
 from config import parse_args
-from train_state import snapshot_config
-from trainer import Trainer, setup_processes
+from failures import preempt
+from processes import setup_processes
+from snapshots import checkpoint, train_state
+from snapshots.train_state import snapshot_config
+from trainer import Trainer
 
 sys.argv = sys.argv[1:]
 parser, args = parse_args()

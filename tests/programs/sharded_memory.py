@@ -9,7 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from memory import MemoryMeter
+from observability.memory import MemoryMeter
 from torch.distributed.fsdp import fully_shard
 
 dist.init_process_group("gloo")

@@ -5,10 +5,10 @@ and the first and last loss. Run by torchrun with one process, examples/gpt on P
 
 from types import SimpleNamespace
 
-import guards
 import parallel
 import torch
 import torch.distributed as dist
+from failures import guards
 from model import GPT, GPTConfig, optimizer_groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor

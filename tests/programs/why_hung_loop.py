@@ -10,9 +10,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import hang
 import torch
 import torch.distributed as dist
+from failures import hang
 
 folder = Path(sys.argv[1])
 hang.record(folder)

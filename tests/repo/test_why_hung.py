@@ -1,6 +1,6 @@
 """Which process hangs where: on a collective's timeout every process still alive dumps its stack and its
-flight recorder (examples/gpt/hang.py), and tools/why_hung.py (`make why-hung RUN=...`) names the process
-that is elsewhere, its collective and its line, and the processes that wrote nothing."""
+flight recorder (examples/gpt/failures/hang.py), and tools/why_hung.py (`make why-hung RUN=...`) names the
+process that is elsewhere, its collective and its line, and the processes that wrote nothing."""
 
 import contextlib
 import os
@@ -75,7 +75,7 @@ def test_silent_processes_lead_the_verdict_over_mixed_waits():
     rank 0 still waits for one from the paused node; rank 1 is in the next collective. The silent ranks are
     the cause, named first; the others' places follow. With every process alive, the mismatch is the
     verdict, as before."""
-    trainer, guards = "examples/gpt/trainer.py:157", "examples/gpt/guards.py:24"
+    trainer, guards = "examples/gpt/trainer.py:157", "examples/gpt/failures/guards.py:24"
     last = {"default_pg": (45, "all_reduce", guards)}
     procs = {
         0: SimpleNamespace(rank=0, op="backward", where=trainer, header={"pid": 10}, doing="", newest={}),

@@ -3,26 +3,16 @@ run needs besides the weights and the optimizer state, and what it says when it 
 
 from dataclasses import asdict
 
-import checkpoint
-import hf
 import parallel
 import torch
-import torch.distributed as dist
 from config import MODEL_KEYS
-from guards import LossScaler
 from model import GPT, GPTConfig, optimizer_groups
+from processes import all_ranks
+
+from snapshots import checkpoint, hf
 
 # The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
-
-
-def all_ranks(obj):
-    """obj from every process, in rank order."""
-    if not dist.is_initialized():
-        return [obj]
-    objs = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs
 
 
 def rng_state(device):
@@ -104,8 +94,9 @@ def snapshot_config(args, corpus):
 
 
 def from_hf(args, corpus):
-    """A single-file snapshot's state (as export.py writes one) of a Hugging Face GPT-2 folder: its weights in
-    this run's model, a fresh AdamW, step 0; refused (HFError) when its vocabulary is not the corpus's."""
+    """A single-file snapshot's state (as export.py writes one) of a Hugging Face GPT-2 folder: its
+    weights in this run's model, a fresh AdamW, step 0; refused (HFError) when its vocabulary is
+    not the corpus's."""
     vocab = hf.read_config(args.init_from)["vocab_size"]
     if vocab != corpus.vocab_size:
         raise hf.HFError(
@@ -120,7 +111,7 @@ def from_hf(args, corpus):
     return {
         "config": snapshot_config(args, corpus),
         "tokenizer": None if corpus.tokenizer is None else corpus.tokenizer.to_str(),
-        "scaler": LossScaler(enabled=False).state_dict(),
+        "scaler": {},  # a LossScaler off: no fp16 loss scale to keep
         "step": 0,
         "seed": args.seed,
         "global_batch": args.batch_size * args.grad_accum * args.layout.dp,
@@ -129,3 +120,20 @@ def from_hf(args, corpus):
         "model": model_state,
         "optimizer": optimizer_state,
     }
+
+
+class DeferredSave:
+    """A snapshot due after step s waits for step s + 1's checks: it is written only when that
+    step's loss is finite, before its update, holding the state that step started from. No snapshot
+    holds weights that gave a non-finite loss."""
+
+    def __init__(self, every):
+        self.every, self.due = every, False
+
+    def after(self, step):
+        self.due = self.due or step % self.every == 0
+
+    def take(self, loss_ok):
+        """Whether to write the due snapshot now."""
+        now, self.due = self.due and loss_ok, self.due and not loss_ok
+        return now

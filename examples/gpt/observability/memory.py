@@ -1,15 +1,17 @@
 """What one process holds: bytes of parameters, gradients and optimizer state, and its peak memory.
 
-Sharded strategies keep DTensors: only the local shard of each is counted, since that is what this process
-stores. Tensors that appear twice (the tied embedding and output weight) count once. Gradients are counted at
-the end of every micro-batch's backward, where they peak: FSDP2 may then hold unsharded gradients of its own
-(gradient sync off, as a pipeline stage does between its micro-batches), which are counted too.
+Sharded strategies keep DTensors: only the local shard of each is counted, since that is what this
+process stores. Tensors that appear twice (the tied embedding and output weight) count once.
+Gradients are counted at the end of every micro-batch's backward, where they peak: FSDP2 may then
+hold unsharded gradients of its own (gradient sync off, as a pipeline stage does between its
+micro-batches), which are counted too.
 """
 
 import re
 import resource
 
 import torch
+from processes import all_ranks
 from torch.distributed.tensor import DTensor
 
 
@@ -30,8 +32,9 @@ def optimizers(optimizer):
 
 
 def fsdp_unsharded_grads(model):
-    """The whole-size gradients FSDP2 keeps between micro-batches while its gradient sync is off (not
-    parameters' .grad: they wait inside FSDP's own parameter records until a reduce-scatter)."""
+    """The whole-size gradients FSDP2 keeps between micro-batches while its gradient sync is off
+    (not parameters' .grad: they wait inside FSDP's own parameter records until a
+    reduce-scatter)."""
     from torch.distributed.fsdp import FSDPModule
 
     out = []
@@ -46,10 +49,10 @@ def fsdp_unsharded_grads(model):
 
 
 class MemoryMeter:
-    """Counts what the model and the optimizer hold. Gradients exist only between backward() and the
-    optimizer's zero_grad: they are counted after each micro-batch's backward (count_grads, which the
-    trainer's Parallel calls when given as `parallel`) and just before each optimizer step; the largest
-    count stays."""
+    """Counts what the model and the optimizer hold. Gradients exist only between backward() and
+    the optimizer's zero_grad: they are counted after each micro-batch's backward (count_grads,
+    which the trainer's Parallel calls when given as `parallel`) and just before each optimizer
+    step; the largest count stays."""
 
     def __init__(self, model, optimizer, parallel=None):
         self.model, self.optimizer, self.grads_bytes = model, optimizer, 0
@@ -88,9 +91,10 @@ class MemoryMeter:
 
 
 class MemoryHistory:
-    """--memory_snapshot FILE, on a GPU: every CUDA allocation and free from the start, with its stack,
-    written to FILE at the end of training (or when it stops), for pytorch.org/memory_viz. The names are the
-    ones torch's CUDA memory documentation gives, underscored in torch itself. Not yet run on a GPU here."""
+    """--memory_snapshot FILE, on a GPU: every CUDA allocation and free from the start, with its
+    stack, written to FILE at the end of training (or when it stops), for pytorch.org/memory_viz.
+    The names are the ones torch's CUDA memory documentation gives, underscored in torch itself.
+    Not yet run on a GPU here."""
 
     def __init__(self, path, device, entries=100_000):
         self.path = path if device.type == "cuda" else None
@@ -103,10 +107,25 @@ class MemoryHistory:
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def report(meter, device, metrics, step):
+    """A collective: every process's memory (meter.report) as one metrics record each, at `step`,
+    and a log line of the largest of each kind."""
+    memory = all_ranks(meter.report(device))
+    for rank, fields in enumerate(memory):
+        scalars = {f"memory/{k}/rank{rank}": v for k, v in fields.items() if k.endswith("_bytes")}
+        metrics.record(step, scalars, memory=fields, rank=rank)
+    most = {key: max(m[key] for m in memory) / 2**20 for key in memory[0] if key.endswith("_bytes")}
+    metrics.log(
+        "memory per rank, MiB, the largest: params {params_bytes:.2f} | grads {grads_bytes:.2f} | "
+        "optimizer state {optimizer_bytes:.2f} | peak {peak_bytes:.0f}".format(**most)
+        + f" ({memory[0]['peak_kind']})"
+    )
+
+
 def max_rss():
-    """This process's peak resident memory in bytes. On Linux VmHWM, its own: ru_maxrss also holds the peak
-    of the process that started it (a process started by vfork and exec keeps its parent's), so torchrun's
-    workers would report torchrun's, or their caller's."""
+    """This process's peak resident memory in bytes. On Linux VmHWM, its own: ru_maxrss also holds
+    the peak of the process that started it (a process started by vfork and exec keeps its
+    parent's), so torchrun's workers would report torchrun's, or their caller's."""
     try:
         with open("/proc/self/status") as status:
             return int(re.search(r"^VmHWM:\s+(\d+) kB$", status.read(), re.M).group(1)) * 1024

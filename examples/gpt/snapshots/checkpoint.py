@@ -1,15 +1,15 @@
-"""Snapshots: one path for every layout. A snapshot is a directory that every process writes its parts into
-with torch.distributed.checkpoint (DCP), through get_state_dict/set_state_dict, so any layout and any
-number of processes resumes any other's; a crash at any moment leaves the previous one complete. Nothing is
-read that would run code, or that lies outside the snapshot's folder.
+"""Snapshots: one path for every layout. A snapshot is a directory that every process writes its
+parts into with torch.distributed.checkpoint (DCP), through get_state_dict/set_state_dict, so any
+layout and any number of processes resumes any other's; a crash at any moment leaves the previous
+one complete. Nothing is read that would run code, or that lies outside the snapshot's folder.
 
     PATH/latest                         the name of the newest complete step directory, replaced atomically
     PATH/step-00000060-<id>/.metadata   DCP's index of the parts
     PATH/step-00000060-<id>/*.distcp    the model's and the optimizer's tensors, as each process held them
     PATH/step-00000060-<id>/extra.pt    the rest: config, vocabulary, step, random states... (leader)
 
-A single file (export.py writes one from a snapshot) holds the same, whole: torch.load(weights_only=True)
-reads it, and --init_from imports it into any layout (import_file).
+A single file (export.py writes one from a snapshot) holds the same, whole:
+torch.load(weights_only=True) reads it, and --init_from imports it into any layout (import_file).
 """
 
 import dataclasses
@@ -53,9 +53,10 @@ def save_file(path, state):
 
 
 def load_file(path, expected):
-    """The single-file snapshot at path, after checking that its entries in `expected` (model shape,
-    vocabulary) match. weights_only=True: only tensors and plain containers are unpickled, never objects
-    that run code; mmap: its tensors stay on disk until used (only the leader uses them: import_file)."""
+    """The single-file snapshot at path, after checking that its entries in `expected` (model
+    shape, vocabulary) match. weights_only=True: only tensors and plain containers are unpickled,
+    never objects that run code; mmap: its tensors stay on disk until used (only the leader uses
+    them: import_file)."""
     import torch
 
     try:
@@ -89,9 +90,10 @@ def load_file(path, expected):
 POINTER = "latest"
 STEP_DIR = re.compile(r"^step-\d{8}-[0-9a-f]+$")
 
-# What DCP's .metadata pickle may name, by rule rather than by name: the data records (dataclasses and enums)
-# of DCP's metadata and filesystem modules, torch.Size, dtypes, the function pickle rebuilds a torch.layout
-# with, paths and OrderedDict. Only these modules are ever looked in; anything else is refused unread.
+# What DCP's .metadata pickle may name, by rule rather than by name: the data records (dataclasses
+# and enums) of DCP's metadata and filesystem modules, torch.Size, dtypes, the function pickle
+# rebuilds a torch.layout with, paths and OrderedDict. Only these modules are ever looked in;
+# anything else is refused unread.
 METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 LOOKED_IN = {*METADATA_MODULES, "torch", "torch.serialization", "pathlib", "collections"}
 
@@ -189,10 +191,11 @@ def fsync_dir(path):
 
 
 def flat_state(model, optimizer):
-    """This process's parts of the model's and the optimizer's state, one flat dict keyed by parameter
-    names ("model.<name>", "optimizer.state.<name>.exp_avg", "optimizer.param_groups.<name>.lr"), as
-    get_state_dict gives them (DTensors for parts of split tensors): names, not positions, so that any
-    layout finds its parts. An optimizer without state yet gets it (zeros) first, to be loaded into."""
+    """This process's parts of the model's and the optimizer's state, one flat dict keyed by
+    parameter names ("model.<name>", "optimizer.state.<name>.exp_avg",
+    "optimizer.param_groups.<name>.lr"), as get_state_dict gives them (DTensors for parts of split
+    tensors): names, not positions, so that any layout finds its parts. An optimizer without state
+    yet gets it (zeros) first, to be loaded into."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -216,9 +219,9 @@ def set_flat_state(model, optimizer, state):
 
 def save(path, model, optimizer, extra, leader=0, keep=1):
     """A collective: every process writes its parts of the model and the optimizer into a new step
-    directory; then the process of rank `leader` adds `extra`, points PATH/latest at it with one atomic
-    rename and removes step directories older than the `keep` newest. A crash at any moment leaves the
-    previous snapshot complete and pointed at."""
+    directory; then the process of rank `leader` adds `extra`, points PATH/latest at it with one
+    atomic rename and removes step directories older than the `keep` newest. A crash at any moment
+    leaves the previous snapshot complete and pointed at."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized()
@@ -235,9 +238,9 @@ def step_name(extra):
 
 
 def write(path, name, state, extra, distributed, leader=0, keep=1):
-    """DCP writes `state` (flat: parameter names as keys) into PATH/name, every process its parts; then
-    the leader (or the only process) commits it: extra.pt, fsync, the pointer renamed, step directories
-    older than the `keep` newest removed."""
+    """DCP writes `state` (flat: parameter names as keys) into PATH/name, every process its parts;
+    then the leader (or the only process) commits it: extra.pt, fsync, the pointer renamed, step
+    directories older than the `keep` newest removed."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -276,10 +279,10 @@ def latest(path):
 
 
 def load(path, expected):
-    """The newest complete snapshot in directory `path`, checked before any process group forms: its
-    extra.pt (config, step, random states), checked like a single file, with "shards" (its step
-    directory) added; its .metadata is read through the allowlist and the path check here already. None if
-    no save has completed yet."""
+    """The newest complete snapshot in directory `path`, checked before any process group forms:
+    its extra.pt (config, step, random states), checked like a single file, with "shards" (its step
+    directory) added; its .metadata is read through the allowlist and the path check here already.
+    None if no save has completed yet."""
     step_dir = latest(path)
     if step_dir is None:
         return None
@@ -300,8 +303,8 @@ def load(path, expected):
 
 
 def load_shards(step_dir, model, optimizer):
-    """A collective: every process reads the parts it holds, whatever layout wrote them (DCP reshards),
-    and sets them into the model and the optimizer."""
+    """A collective: every process reads the parts it holds, whatever layout wrote them (DCP
+    reshards), and sets them into the model and the optimizer."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -326,10 +329,10 @@ def load_shards(step_dir, model, optimizer):
 
 
 def import_file(path, state, leader=0):
-    """A collective: a single-file snapshot (its whole model and optimizer, as export.py writes them) made
-    the first snapshot in directory PATH, by the process of rank `leader` alone; its step directory, which
-    every process then reads its parts from like any other snapshot's (load_shards). The file's tensors go
-    to disk as they are: no model is built for them."""
+    """A collective: a single-file snapshot (its whole model and optimizer, as export.py writes
+    them) made the first snapshot in directory PATH, by the process of rank `leader` alone; its
+    step directory, which every process then reads its parts from like any other snapshot's
+    (load_shards). The file's tensors go to disk as they are: no model is built for them."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized()
@@ -344,8 +347,9 @@ def import_file(path, state, leader=0):
 
 
 def flat_whole(state):
-    """A whole state's model and optimizer in flat_state's keys ("model.<name>", "optimizer.state.<name>.
-    <key>", "optimizer.param_groups.<name>.<key>"), as get_state_dict flattens an optimizer's state."""
+    """A whole state's model and optimizer in flat_state's keys ("model.<name>",
+    "optimizer.state.<name>. <key>", "optimizer.param_groups.<name>.<key>"), as get_state_dict
+    flattens an optimizer's state."""
     flat = {f"model.{name}": value for name, value in state["model"].items()}
     for name, values in state["optimizer"]["state"].items():
         flat |= {f"optimizer.state.{name}.{key}": value for key, value in values.items()}
@@ -357,8 +361,8 @@ def flat_whole(state):
 
 
 def whole_state(model, optimizer):
-    """(model, optimizer) state dicts in full, in get_state_dict's form (parameter names as keys): what a
-    single-file snapshot holds. For one process holding the whole model (export.py)."""
+    """(model, optimizer) state dicts in full, in get_state_dict's form (parameter names as keys):
+    what a single-file snapshot holds. For one process holding the whole model (export.py)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     return get_state_dict(model, optimizer)

@@ -6,18 +6,19 @@
     timed_out(args, rank, world, exc)   a wait past --dist_timeout: every live process's stack, one line
     leave(status)                 how each of them ends the process (why: below)
 
-Alone, a message goes to stderr. Under torchrun it is said once per node, as the error of torchrun's
-closing summary: each node's local rank 0 fails with it through torch's `record` (which writes the error
-file the summary reads), and the node's other processes end quietly (0).
+Alone, a message goes to stderr. Under torchrun it is said once per node, as the error of
+torchrun's closing summary: each node's local rank 0 fails with it through torch's `record` (which
+writes the error file the summary reads), and the node's other processes end quietly (0).
 """
 
 import os
 import sys
 
-import checkpoint
-import hang
 import torch
+from snapshots import checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from failures import hang
 
 
 def refuse(prog, message):
@@ -58,10 +59,10 @@ def diverged(exc, snapshot_path):
 
 
 def timed_out(args, rank, world, exc):
-    """A wait past --dist_timeout, or a collective whose connection another process closed (gloo's, when
-    that process timed out first or died): this process's stack and flight recorder, and every other live
-    process's, into SNAPSHOT_PATH/hang (hang.py), then a one-line error naming the report. Any other error
-    is raised."""
+    """A wait past --dist_timeout, or a collective whose connection another process closed (gloo's,
+    when that process timed out first or died): this process's stack and flight recorder, and every
+    other live process's, into SNAPSHOT_PATH/hang (hang.py), then a one-line error naming the
+    report. Any other error is raised."""
     why = hang.cause(exc)
     if why is None:
         raise exc

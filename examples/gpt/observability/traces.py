@@ -1,21 +1,21 @@
 """--profile_steps A:B: torch.profiler records steps A to B of every process; each writes one trace
-(FOLDER/rank{R}.json, Chrome's trace format: open it in ui.perfetto.dev or chrome://tracing) and prints
-where its time went: in compute, in collectives, and how much of the collectives ran while it computed
-(DDP's all-reduce of one bucket overlapping the backward pass of the next, for one)."""
+(FOLDER/rank{R}.json, Chrome's trace format: open it in ui.perfetto.dev or chrome://tracing) and
+prints where its time went: in compute, in collectives, and how much of the collectives ran while
+it computed (DDP's all-reduce of one bucket overlapping the backward pass of the next, for one)."""
 
 import json
 import os
 
 from torch.profiler import ProfilerActivity, profile
 
-# kineto, the profiler's engine, logs at its start and stop, and on a machine without GPUs an ERROR line that
-# is not one
+# kineto, the profiler's engine, logs at its start and stop, and on a machine without GPUs an ERROR
+# line that is not one
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 
 class StepProfiler:
-    """Call at_step(s) before each step s (counted from 1): the profiler runs from step `first` to the end
-    of step `last`, then writes and summarises the trace."""
+    """Call at_step(s) before each step s (counted from 1): the profiler runs from step `first` to
+    the end of step `last`, then writes and summarises the trace."""
 
     def __init__(self, steps, folder, rank, device):
         (self.first, self.last), self.folder, self.rank = steps, folder, rank

@@ -10,21 +10,24 @@ alive writes its Python stack and its flight-recorder entries to FOLDER/hang/, a
     except RuntimeError as exc:          # "timed out"
         hang.dump(folder, rank, world, exc)   # dump, ask every other process to, wait (bounded) for them
 
-Files, per process R: hang/rank{R}.stack.txt (rank, host, pid, why, the call that timed out, then every
-thread's stack as faulthandler writes it) and hang/fr_rank{R} (torch's flight recorder, pickled as torch's
-analyser reads it: `torchfrtrace FOLDER/hang -p fr_rank --allow-incomplete-ranks` works on it too).
+Files, per process R: hang/rank{R}.stack.txt (rank, host, pid, why, the call that timed out, then
+every thread's stack as faulthandler writes it) and hang/fr_rank{R} (torch's flight recorder,
+pickled as torch's analyser reads it: `torchfrtrace FOLDER/hang -p fr_rank
+--allow-incomplete-ranks` works on it too).
 
-How the others learn that they should dump: the process that timed out sets a key in the rendezvous store
-(MASTER_ADDR:MASTER_PORT: torchrun's, or rank 0's) and every armed process polls that key from a daemon
-thread (every POLL seconds), so it dumps even while its main thread sleeps, computes or waits in another
-collective. A stopped (SIGSTOP), dead or unreachable process writes nothing: the report names it missing.
+How the others learn that they should dump: the process that timed out sets a key in the rendezvous
+store (MASTER_ADDR:MASTER_PORT: torchrun's, or rank 0's) and every armed process polls that key
+from a daemon thread (every POLL seconds), so it dumps even while its main thread sleeps, computes
+or waits in another collective. A stopped (SIGSTOP), dead or unreachable process writes nothing:
+the report names it missing.
 
 NCCL (written for GPUs, NOT yet run on one): a collective that times out there is noticed by NCCL's
-watchdog thread, which ends the process (SIGABRT) rather than raising in Python. record() therefore also
-turns on NCCL's own dump on timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, files TORCH_FR_DUMP_TEMP_FILE + rank =
-hang/fr_rank{R}, the same name and format as above; the watchdog signals the other ranks through the store
-and each dumps its own), and arm() has faulthandler write the Python stacks to hang/rank{R}.abort.txt when
-the process aborts. Values already in the environment win.
+watchdog thread, which ends the process (SIGABRT) rather than raising in Python. record() therefore
+also turns on NCCL's own dump on timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, files
+TORCH_FR_DUMP_TEMP_FILE + rank = hang/fr_rank{R}, the same name and format as above; the watchdog
+signals the other ranks through the store and each dumps its own), and arm() has faulthandler write
+the Python stacks to hang/rank{R}.abort.txt when the process aborts. Values already in the
+environment win.
 """
 
 import atexit
@@ -51,9 +54,9 @@ PEER_GONE = ("connection closed by peer", "connection reset by peer", "timeout c
 
 
 def cause(exc):
-    """Whether an error out of a collective is a hang, as gloo and NCCL say it: "timed out" (this process
-    waited past --dist_timeout), "lost" (gloo: another process, which timed out first or died, closed the
-    connection), or None (another error, not a hang)."""
+    """Whether an error out of a collective is a hang, as gloo and NCCL say it: "timed out" (this
+    process waited past --dist_timeout), "lost" (gloo: another process, which timed out first or
+    died, closed the connection), or None (another error, not a hang)."""
     text = str(exc).lower()
     if "timed out" in text:
         return "timed out"
@@ -74,9 +77,10 @@ def hang_dir(folder):
 
 
 def record(folder, nccl=None):
-    """Before the process group forms (torch reads these when it does). torch 2.13 already keeps 2000
-    entries for gloo by default (TORCH_FR_BUFFER_SIZE=0 turns the recorder off); other versions may not.
-    nccl: the group will be NCCL's (default: when CUDA is available, as the GPT trainer chooses)."""
+    """Before the process group forms (torch reads these when it does). torch 2.13 already keeps
+    2000 entries for gloo by default (TORCH_FR_BUFFER_SIZE=0 turns the recorder off); other
+    versions may not. nccl: the group will be NCCL's (default: when CUDA is available, as the GPT
+    trainer chooses)."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", BUFFER)
     if torch.cuda.is_available() if nccl is None else nccl:  # not run on a GPU yet, see above
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -90,8 +94,9 @@ def _key(name):
 
 
 def connect(timeout=30.0):
-    """A client of the rendezvous store (torchrun's, or the one rank 0 serves for env:// initialisation),
-    a connection of its own beside the process group's. None without MASTER_ADDR/MASTER_PORT."""
+    """A client of the rendezvous store (torchrun's, or the one rank 0 serves for env://
+    initialisation), a connection of its own beside the process group's. None without
+    MASTER_ADDR/MASTER_PORT."""
     if not {"MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
         return None
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -99,8 +104,8 @@ def connect(timeout=30.0):
 
 
 def arm(folder, rank, world, store=None, poll=POLL):
-    """After the process group formed: start the thread that dumps when another process asks. store: any
-    c10d store that every process reaches (default: connect())."""
+    """After the process group formed: start the thread that dumps when another process asks.
+    store: any c10d store that every process reaches (default: connect())."""
     try:
         store = store if store is not None else connect()
     except dist.DistError as exc:  # a diagnosis must not end the run: without the store, no watcher
@@ -123,11 +128,13 @@ def arm(folder, rank, world, store=None, poll=POLL):
         args = (store, folder, rank, world, poll, stop, nccl_dump, time.time())
         watcher = threading.Thread(target=_watch, args=args, name="why-hung", daemon=True)
         watcher.start()
-        # stopped before the interpreter ends: a daemon thread still inside the store's C++ call when Python
-        # finalises is ended there, and the process aborts ("terminate called without an active exception")
+        # stopped before the interpreter ends: a daemon thread still inside the store's C++ call
+        # when Python finalises is ended there, and the process aborts ("terminate called without
+        # an active exception")
         atexit.register(_disarm, stop, watcher, poll)
-    # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of CPU, 7 s
-    # on a loaded 2-core machine): done now, beside the watcher, so that a dump on a timeout is quick
+    # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of
+    # CPU, 7 s on a loaded 2-core machine): done now, beside the watcher, so that a dump on a
+    # timeout is quick
     threading.Thread(target=_warm_up, name="why-hung warm-up", daemon=True).start()
 
 
@@ -144,8 +151,9 @@ def _warm_up():
 def _watch(store, folder, rank, world, poll, stop, nccl_dump, since):
     while not stop.wait(poll):
         if nccl_dump is not None and nccl_dump.exists() and nccl_dump.stat().st_mtime >= since:
-            # NCCL's watchdog dumped this process's flight recorder: on its own timeout, or told by another
-            # rank's through the store, while Python may be busy elsewhere. Add the stacks (not run on a GPU).
+            # NCCL's watchdog dumped this process's flight recorder: on its own timeout, or told by
+            # another rank's through the store, while Python may be busy elsewhere. Add the stacks
+            # (not run on a GPU).
             _write(folder, rank, world, "NCCL's watchdog dumped its flight recorder (a collective timed out)")
             return
         try:
@@ -246,17 +254,18 @@ def _write(folder, rank, world, why, exc=None):
 
 
 def _flight_record():
-    """This process's flight-recorder entries, pickled as torch's analyser reads them, or None. torch has no
-    public call for this: torch._C._distributed_c10d._dump_fr_trace (gloo) and _dump_nccl_trace (NCCL) are
-    what its own tests and tutorial use."""
+    """This process's flight-recorder entries, pickled as torch's analyser reads them, or None.
+    torch has no public call for this: torch._C._distributed_c10d._dump_fr_trace (gloo) and
+    _dump_nccl_trace (NCCL) are what its own tests and tutorial use."""
     c10d = torch._C._distributed_c10d
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     dumper = getattr(c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace", None)
     if dumper is None:
         return None
     data = pickle.loads(dumper())
-    # gloo leaves the group table empty ({"": ranks []}), and torch's analyser needs it: fill it in. A group
-    # that torch does not list (TORCH_DISTRIBUTED_DEBUG=DETAIL's own checks) is left out: no rank is known.
+    # gloo leaves the group table empty ({"": ranks []}), and torch's analyser needs it: fill it
+    # in. A group that torch does not list (TORCH_DISTRIBUTED_DEBUG=DETAIL's own checks) is left
+    # out: no rank is known.
     groups = _groups()
     config = {k: v for k, v in data.get("pg_config", {}).items() if k or v.get("ranks") != "[]"}
     for name, _ in {tuple(entry["process_group"]) for entry in data["entries"]}:
@@ -268,9 +277,9 @@ def _flight_record():
 
 
 def _groups():
-    """Group name -> the analyser's record of it, for every process group this process is in. torch lists a
-    group's ranks publicly (get_process_group_ranks) but not the groups themselves: _world.pg_names is the
-    registry it keeps (private; without it, the default group alone)."""
+    """Group name -> the analyser's record of it, for every process group this process is in. torch
+    lists a group's ranks publicly (get_process_group_ranks) but not the groups themselves:
+    _world.pg_names is the registry it keeps (private; without it, the default group alone)."""
     if not dist.is_initialized():
         return {}
     groups = getattr(dist.distributed_c10d, "_world", None)

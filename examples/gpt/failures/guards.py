@@ -18,9 +18,9 @@ class Diverged(Exception):
 
 
 def verdict(loss, norm, stop):
-    """A device tensor: (the mean loss over the processes, this process's gradient norm, the sum of every
-    process's norm, the number of processes asked to stop). A NaN or an infinity on one process reaches
-    every process's sum, so all skip alike."""
+    """A device tensor: (the mean loss over the processes, this process's gradient norm, the sum of
+    every process's norm, the number of processes asked to stop). A NaN or an infinity on one
+    process reaches every process's sum, so all skip alike."""
     norm = whole(norm).float()  # FSDP's and tp's norm is a DTensor
     # new_full fills on the device: a tensor made from a host value would wait for the device's queue
     shared = torch.stack([loss.float(), norm, loss.new_full((), float(stop))])
@@ -31,8 +31,8 @@ def verdict(loss, norm, stop):
 
 
 def skip(values):
-    """1.0 where the step must not update (a loss or some process's gradient not finite), else 0.0: what
-    fused AdamW's found_inf and the loss scale's update take, on the device."""
+    """1.0 where the step must not update (a loss or some process's gradient not finite), else 0.0:
+    what fused AdamW's found_inf and the loss scale's update take, on the device."""
     return (~(values[0].isfinite() & values[2].isfinite())).float()
 
 
@@ -75,28 +75,11 @@ class Checks:
         return sum(losses) / len(losses) if losses else math.nan
 
 
-class DeferredSave:
-    """A snapshot due after step s waits for step s + 1's checks: it is written only when that step's loss
-    is finite, before its update, holding the state that step started from. No snapshot holds weights that
-    gave a non-finite loss."""
-
-    def __init__(self, every):
-        self.every, self.due = every, False
-
-    def after(self, step):
-        self.due = self.due or step % self.every == 0
-
-    def take(self, loss_ok):
-        """Whether to write the due snapshot now."""
-        now, self.due = self.due and loss_ok, self.due and not loss_ok
-        return now
-
-
 class LossScaler:
-    """fp16's dynamic loss scale, on the device (GradScaler's rule and torch's kernel for it: halve it when
-    a step is skipped, double it after `interval` clean steps). Whether a step is skipped comes from
-    verdict(), so every process skips the same steps whatever the layout; GradScaler's own unscale_
-    decides per process."""
+    """fp16's dynamic loss scale, on the device (GradScaler's rule and torch's kernel for it: halve
+    it when a step is skipped, double it after `interval` clean steps). Whether a step is skipped
+    comes from verdict(), so every process skips the same steps whatever the layout; GradScaler's
+    own unscale_ decides per process."""
 
     def __init__(self, enabled, scale=2.0**16, interval=2000, device=None):
         self.enabled, self.interval = enabled, interval

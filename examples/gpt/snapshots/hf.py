@@ -1,11 +1,12 @@
-"""Hugging Face's GPT-2 format, as transformers' GPT2LMHeadModel reads and writes it: the model out to such a
-folder (export.py --format hf; needs transformers), and such a folder's weights in, to fine-tune from
-(train.py --init_from DIR; needs safetensors, which torch's ecosystem ships with).
+"""Hugging Face's GPT-2 format, as transformers' GPT2LMHeadModel reads and writes it: the model out
+to such a folder (export.py --format hf; needs transformers), and such a folder's weights in, to
+fine-tune from (train.py --init_from DIR; needs safetensors, which torch's ecosystem ships with).
 
-The layouts differ in three ways, converted both ways here: GPT-2's Conv1D layers hold the transpose of our
-Linear weights; its fused attention projection gives q for every head, then k, then v, where ours gives each
-head's q, k and v together; its vocabulary has no padding rows. Its biases are always there (zeros for a
-model without them), and its activation is recorded: GPT-2's own is the tanh approximation of GELU.
+The layouts differ in three ways, converted both ways here: GPT-2's Conv1D layers hold the
+transpose of our Linear weights; its fused attention projection gives q for every head, then k,
+then v, where ours gives each head's q, k and v together; its vocabulary has no padding rows. Its
+biases are always there (zeros for a model without them), and its activation is recorded: GPT-2's
+own is the tanh approximation of GELU.
 """
 
 import json
@@ -27,8 +28,8 @@ class HFError(ValueError):
 
 
 def regroup(t, heads, by_kind):
-    """The fused q, k, v rows (or biases) of `heads` heads: head by head (ours) to q, k, v each for every
-    head (GPT-2's), or back."""
+    """The fused q, k, v rows (or biases) of `heads` heads: head by head (ours) to q, k, v each for
+    every head (GPT-2's), or back."""
     shape = (heads, 3) if by_kind else (3, heads)
     return t.reshape(*shape, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
@@ -55,8 +56,8 @@ def state_of(model):
 
 
 def save(state, model, out):
-    """out as a Hugging Face GPT-2 folder (config.json, model.safetensors; a BPE snapshot's tokenizer as
-    tokenizer.json and its config), written beside out and renamed into place."""
+    """out as a Hugging Face GPT-2 folder (config.json, model.safetensors; a BPE snapshot's
+    tokenizer as tokenizer.json and its config), written beside out and renamed into place."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     cfg = model.cfg
@@ -97,8 +98,8 @@ def is_folder(path):
 
 
 def read_config(folder):
-    """The model options a GPT-2 folder's config.json stands for: n_layer, n_head, n_embd, block_size (its
-    n_positions), activation, and its vocab_size."""
+    """The model options a GPT-2 folder's config.json stands for: n_layer, n_head, n_embd,
+    block_size (its n_positions), activation, and its vocab_size."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -118,8 +119,8 @@ def read_config(folder):
 
 
 def load_into(folder, model):
-    """A GPT-2 folder's weights (model.safetensors) into model, a GPT of its shape: the vocabulary's rows
-    (the padding rows stay as they are), every block, the final norm."""
+    """A GPT-2 folder's weights (model.safetensors) into model, a GPT of its shape: the
+    vocabulary's rows (the padding rows stay as they are), every block, the final norm."""
     from safetensors.torch import load_file
 
     cfg = model.cfg
