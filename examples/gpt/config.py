@@ -6,12 +6,15 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
+from typing import get_args
 
 import failure
 import hf
 import torch
 from ac import MODES as AC_MODES
-from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout
+from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout, resolve_dtype  # noqa: F401
+
+# (resolve_dtype, --dtype's meaning, lives beside the layout checks that use it: read here by the trainer)
 
 # Model shape and the training settings that suit it.
 PRESETS = {
@@ -40,10 +43,10 @@ WARMUP_FRACTION = 0.1  # a preset's warm-up takes at most this share of --max_st
 
 
 def option(help=None, default=None, check=None, ok=None, no=None, group=None, **kwargs):
-    """A field that is an option: its help, its default (a function: called as the parser is built),
-    argparse's other keywords (type: the field's own), and its checks, run in field order on the finished
-    Config: ok(config), else the refusal `no` ({c.NAME}: the config's fields); check(config, name): the
-    refusal or nothing. group: the heading in --help of this option and those below it."""
+    """A field that is an option: its help, default (a function: called as the parser is built),
+    argparse's other keywords (type: the field's), checks: check(config, name) -> the refusal or
+    nothing, then ok(config), else the refusal `no` ({c.NAME}: a field); group: the --help heading
+    from this option on."""
     checks = [check for check in (check, must(ok, no) if ok else None) if check]
     return field(metadata=dict(help=help, default=default, kwargs=kwargs, checks=checks, group=group))
 
@@ -116,7 +119,6 @@ class Config:
         600,
         positive,
     )
-
     n_layer: int = option(check=positive, group="model shape (default: the preset's)")
     n_head: int = option(check=positive)
     n_embd: int = option(check=positive)
@@ -132,7 +134,6 @@ class Config:
         "the MLP's GELU: exact (gelu, default) or GPT-2's tanh approximation (a GPT-2 --init_from's)",
         choices=["gelu", "gelu_tanh"],
     )
-
     max_steps: int = option(
         "optimizer steps in all", check=positive, group="training (default: the preset's)"
     )
@@ -161,7 +162,6 @@ class Config:
         ok=lambda c: 0 <= c.seed < 2**32,
         no="--seed must be in [0, 2**32), got {c.seed}",
     )
-
     eval_every: int = option(
         "validation loss every this many steps, and at the end",
         check=positive,
@@ -196,7 +196,6 @@ class Config:
         no="--memory_snapshot records CUDA allocations: it needs a GPU",
         metavar="FILE",
     )
-
     snapshot_path: str = option(
         "the snapshot directory to resume from and save to, any layout's (%(default)s)",
         "gpt_snapshot",
@@ -216,7 +215,6 @@ class Config:
     save_every: int = option("snapshot every this many steps (%(default)s)", 100, positive)
     keep: int = option("snapshots kept, the newest (%(default)s)", 2, positive)
     sample_chars: int = option("characters generated at the end (%(default)s)", 200, not_negative)
-
     dtype: str = option(
         "autocast type; auto: bf16 on GPUs that have it, else fp16 with a gradient scaler; fp32 on CPU",
         "auto",
@@ -252,7 +250,6 @@ class Config:
         ok=lambda c: c.ac_every is None or c.ac == "selective",
         no="--ac_every is for --ac selective (this run: --ac {c.ac})",
     )
-
     pp: int | None = option(
         "pipeline stages, consecutive blocks each (1)",
         group="parallelism: a device mesh pp x dp_replicate x dp_shard x tp, whose product is the "
@@ -275,13 +272,7 @@ class Config:
     )
     pp_microbatches: int = option("pp: micro-batches each batch is cut into (%(default)s)", 4, positive)
     # parallel.make_layout's, from the degrees or --parallel and WORLD_SIZE; its checks parallel.py's
-    layout: Layout = derived(  # noqa: RUF009 (a field declared, not a default shared)
-        lambda c, _: first_refusal(layout_checks(c, c.layout, machine_dtype(c)))
-    )
-
-
-def first_refusal(checks):
-    return next((message for ok, message in checks if not ok), None)
+    layout: Layout = derived(lambda c, _: layout_checks(c, c.layout, torch.cuda.is_available()))  # noqa: RUF009
 
 
 class Parser(argparse.ArgumentParser):
@@ -306,13 +297,10 @@ def get_parser():
         if f.type is bool:
             kwargs.update(action="store_true", default=False)
         else:
-            kwargs.setdefault("type", NUMBERS.get(f.type))  # else a string
+            kwargs.setdefault("type", f.type if isinstance(f.type, type) else get_args(f.type)[0])
             kwargs["default"] = default() if callable(default) else default
         group.add_argument(f"--{f.name}", help=f.metadata["help"], **kwargs)
     return p
-
-
-NUMBERS = {int: int, int | None: int, float: float, float | None: float}
 
 
 def parse_args(argv=None):
@@ -331,7 +319,7 @@ def parse_args(argv=None):
             values[key] = shape[key] if values[key] is None else values[key]
     values["activation"] = values["activation"] or "gelu"
     values |= {key: value for key, value in PRESETS[values["model"]].items() if values[key] is None}
-    for key, value in values.items():  # nan and inf pass every comparison of the checks, or wrongly fail
+    for key, value in values.items():  # nan and inf pass every comparison, or wrongly fail it
         if isinstance(value, float) and not math.isfinite(value):
             parser.error(f"--{key} must be a finite number, got {value}")
     if values["parallel"] is None and all(values[name] is None for name in Layout.NAMES):
@@ -370,11 +358,6 @@ def parse_args(argv=None):
     return parser, config
 
 
-def machine_dtype(c):
-    """--dtype as this machine resolves it."""
-    return resolve_dtype(c.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def unwritable(path):
     """Why a file or directory could not be written at path, or None: an existing directory there (a
     snapshot folder, written into) must itself be writable, else the nearest folder that exists on the
@@ -391,17 +374,3 @@ def unwritable(path):
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{folder} is not writable"
     return None
-
-
-def native_bf16():
-    """bfloat16 in hardware (compute capability 8.0 on): is_bf16_supported() alone counts emulation too."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def resolve_dtype(name, device):
-    """--dtype as a torch dtype: auto is bfloat16 on GPUs that have it, else float16; float32 on CPUs."""
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if native_bf16() else torch.float16
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -139,9 +139,23 @@ def comm_hook_refused(layout):
     return f"--comm_hook is for DDP: it compresses DDP's gradient all-reduce, which {layout} does not run"
 
 
-def layout_checks(args, layout, dtype):
-    """Sizes that do not split over the layout, found here, before any process group forms: a list of
-    (ok, the message when not). dtype: --dtype as this machine resolves it."""
+def native_bf16():
+    """bfloat16 in hardware (compute capability 8.0 on): is_bf16_supported() alone counts emulation too."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_dtype(name, device):
+    """--dtype as a torch dtype: auto is bfloat16 on GPUs that have it, else float16; float32 on CPUs."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if native_bf16() else torch.float16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def layout_checks(args, layout, cuda):
+    """Sizes that do not split over the layout, found here, before any process group forms: the first
+    refusal, or None."""
     checks = [
         (
             args.n_head % layout.tp == 0,
@@ -185,12 +199,12 @@ def layout_checks(args, layout, dtype):
                 f"--pp {layout.pp}: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches",
             ),
             (
-                dtype != torch.float16,
+                resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu")) != torch.float16,
                 f"--pp {layout.pp}: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient "
                 "scaler, which the pipeline lacks here: pass --dtype fp32 or bf16",
             ),
         ]
-    return checks
+    return next((message for ok, message in checks if not ok), None)
 
 
 def build_mesh(layout, device):
