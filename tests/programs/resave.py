@@ -3,6 +3,7 @@ this number of processes holds it, before any step.
 
 Started by tests/gpt/test_gpt_sharding.py."""
 
+import dataclasses
 import os
 import sys
 
@@ -20,9 +21,9 @@ corpus = data.load_corpus(args.data, args.cache_dir, args.timeout, args.tokenize
 snapshot = checkpoint.load(args.snapshot_path, snapshot_config(args, corpus))
 rank, world, device = setup_processes()
 trainer = Trainer(args, corpus, snapshot, rank, world, device)
-path, args.snapshot_path = args.snapshot_path, "resaved"
+trainer.args = dataclasses.replace(args, snapshot_path="resaved")  # the Config is frozen
 train_state.save(trainer, train_state.rng_state(device))
-args.snapshot_path = path
+trainer.args = args
 trainer.train(preempt.StopRequest())
 sys.stdout.flush()
 os._exit(0)  # as train.py ends: the group's gloo threads, still held, could abort a normal shutdown

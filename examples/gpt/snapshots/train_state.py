@@ -1,7 +1,7 @@
 """The trainer's state into and out of a snapshot (checkpoint.py writes and reads the files): what a resumed
 run needs besides the weights and the optimizer state, and what it says when it changes the schedule."""
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import parallel
 import torch
@@ -56,7 +56,10 @@ def restore(trainer, snapshot):
             torch.cuda.set_rng_state(rng[t.rank]["cuda"], t.device)
     else:
         torch.manual_seed(a.seed + 1 + t.dp_rank + t.step * t.dp_world)
-    compare_schedule(a, snapshot.get("schedule", {}), t.log)
+    before = snapshot.get("schedule", {})
+    if "decay_steps" in before and not a.decay_given:  # the cosine keeps the snapshot's end
+        t.args = a = replace(a, decay_steps=before["decay_steps"])
+    compare_schedule(a, before, t.log)
     if (snapshot["seed"], snapshot["global_batch"]) != (a.seed, t.global_batch):
         t.log(
             f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
@@ -67,8 +70,6 @@ def restore(trainer, snapshot):
 def compare_schedule(a, before, log):
     """Say what this run changes from the snapshot's. The cosine keeps its end (decay_steps) unless
     --decay_steps is given: raising --max_steps then goes on at min_lr instead of reshaping it."""
-    if "decay_steps" in before and not a.decay_given:
-        a.decay_steps = before["decay_steps"]
     changed = [
         f"{key} {before[key]:g} -> {getattr(a, key):g}" for key in before if before[key] != getattr(a, key)
     ]
