@@ -35,10 +35,10 @@ VARIANTS = {
 }
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
 # an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message (in
-# torchrun's closing summary, the message of the trainer's failure.Failed), a C++ exception's what(), or else
-# torchrun's summary of a worker's exit code (its ChildFailedError says less)
+# torchrun's closing summary, the message of the trainer's failures.failure.Failed), a C++ exception's
+# what(), or else torchrun's summary of a worker's exit code (its ChildFailedError says less)
 ERROR_RE = re.compile(
-    r"^(?:\[rank\d+\]: |\s*traceback : )?(?:failure\.Failed: )?"
+    r"^(?:\[rank\d+\]: |\s*traceback : )?(?:(?:failures\.)?failure\.Failed: )?"
     r"((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
 )
 EXITCODE_RE = re.compile(r"^(exitcode\s*: -?\d+)")

@@ -577,7 +577,7 @@ def test_under_torchrun_another_shapes_snapshot_is_said_once(tmp_path, cache, dd
     assert proc.stdout.count("another configuration: n_layer 2 (this run: 3)") == 1, proc.stdout[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.strip()]
     assert summary[-1].startswith("=====")
-    assert summary[-2].startswith("  failure.Failed: error: cannot resume"), proc.stdout[-3000:]
+    assert summary[-2].startswith("  failures.failure.Failed: error: cannot resume"), proc.stdout[-3000:]
     assert "exitcode  : 1" in proc.stdout, proc.stdout[-3000:]
     assert files(tmp_path) == before
 

@@ -193,7 +193,7 @@ def test_under_torchrun_a_bad_size_stops_every_process_before_work(tmp_path):
     assert proc.stdout.count("does not divide") == 1, proc.stdout
     summary = [line for line in proc.stdout.splitlines() if line.strip()]
     assert summary[-1].startswith("=====")
-    assert summary[-2].startswith(f"  failure.Failed: {message}"), proc.stdout
+    assert summary[-2].startswith(f"  failures.failure.Failed: {message}"), proc.stdout
     assert "exitcode  : 2" in proc.stdout and not re.search(r"^step ", proc.stdout, re.M), proc.stdout
     assert not list(tmp_path.iterdir())  # no snapshot, no metrics, not even the corpus cache
 
