@@ -38,7 +38,7 @@ GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
 # torchrun's closing summary, the message of the trainer's failures.failure.Failed), a C++ exception's
 # what(), or else torchrun's summary of a worker's exit code (its ChildFailedError says less)
 ERROR_RE = re.compile(
-    r"^(?:\[rank\d+\]: |\s*traceback : )?(?:(?:failures\.)?failure\.Failed: )?"
+    r"^(?:\[rank\d+\]: |\s*traceback : )?(?:failures\.failure\.Failed: )?"
     r"((?!\S*ChildFailedError)[\w.]+(?:Error|Exception): .*|.*\b(?:error|what\(\)): .*)$"
 )
 EXITCODE_RE = re.compile(r"^(exitcode\s*: -?\d+)")
