@@ -1,5 +1,6 @@
 """Shared helpers for the test suite: paths, running commands with a bound, reading the examples' output."""
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import pytest_timeout
 import torch
@@ -136,12 +138,29 @@ def free_subnet():
     raise RuntimeError("no free 10.x.y.0/24 subnet after 200 tries")
 
 
-def kill_group(proc):
-    """SIGKILL the process group that proc leads (it and every child that did not leave it)."""
+def kill_group(proc, stacks=False):
+    """SIGKILL the process group that proc leads and every process below it, also those that lead sessions
+    of their own (torchrun's workers): nothing a test started outlives it, to hold its pipe or the cores.
+    stacks: first SIGABRT the Python processes among them, whose faulthandler (CRASH_ENV) then prints
+    every thread's stack into the output the test shows, so that a hang says where it waited."""
     try:
+        tree = [psutil.Process(proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    if stacks:
+        pythons = []
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                if process.name().startswith("python"):
+                    process.send_signal(signal.SIGABRT)
+                    pythons.append(process)
+        psutil.wait_procs(pythons, timeout=5)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 # Every Python process the tests start writes its threads' stacks to stderr if it crashes (SIGSEGV,
@@ -202,7 +221,7 @@ def run(cmd, *, timeout, check=True, env=None, **kwargs):
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        kill_group(proc, stacks=True)
         try:  # a child that left the group could hold the pipe open: do not wait for it forever
             out, _ = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
@@ -258,7 +277,7 @@ def run_together(commands, *, timeout, cwd=None, env=None):
             late = True
         finally:
             for proc in procs:
-                kill_group(proc)
+                kill_group(proc, stacks=late)
                 proc.wait()
         outs = []
         for out in files:
