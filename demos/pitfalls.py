@@ -3,8 +3,8 @@
     python demos/pitfalls.py [--json FILE] [--jobs N] [NAME ...]
 
 A pitfall passes when its broken run fails (non-zero) within LIMIT seconds with its last line naming the
-cause ("cause: ...") and its fixed run exits 0, or says it needs GPUs (SyncBatchNorm runs on CUDA only; the
-runs here hide the GPUs). Exit status: 0 if every pitfall passes, else 1.
+cause ("cause: ...") and its fixed run exits 0 within FIXED_LIMIT, or says it needs GPUs (SyncBatchNorm runs
+on CUDA only; the runs here hide the GPUs). Exit status: 0 if every pitfall passes, else 1.
 """
 
 import argparse
@@ -20,6 +20,7 @@ from pathlib import Path
 
 PITFALLS = Path(__file__).resolve().parent.parent / "examples" / "pitfalls"
 LIMIT = 120  # seconds: every pitfall bounds its own waits below this
+FIXED_LIMIT = 300  # seconds for a --fixed run, which trains to its end: a busy machine needs longer
 
 
 def run(script, fixed):
@@ -40,7 +41,7 @@ def run(script, fixed):
             start_new_session=True,
         )
         try:
-            output, _ = proc.communicate(timeout=LIMIT)
+            output, _ = proc.communicate(timeout=FIXED_LIMIT if fixed else LIMIT)
             code = proc.returncode
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
