@@ -11,10 +11,8 @@ from typing import get_args
 import torch
 from ac import MODES as AC_MODES
 from failures import failure
-from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout, resolve_dtype  # noqa: F401
+from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout
 from snapshots import hf
-
-# (resolve_dtype, --dtype's meaning, lives beside the layout checks that use it: read here by the trainer)
 
 # Model shape and the training settings that suit it.
 PRESETS = {

@@ -9,7 +9,6 @@ import data
 import parallel
 import torch
 import torch.distributed as dist
-from config import resolve_dtype
 from failures import guards
 from model import GPT, flops_per_token, optimizer_groups, parameter_count
 from observability import memory, metrics
@@ -44,7 +43,7 @@ class Trainer:
         if args.in_memory:  # or the whole corpus on the device, indexed there (for comparison)
             self.train_data, self.val_data = corpus.train.long().to(device), corpus.val.long().to(device)
         self.global_batch = args.batch_size * args.grad_accum * self.dp_world
-        self.dtype = resolve_dtype(args.dtype, device)
+        self.dtype = parallel.resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
             model = GPT(model_config(args, corpus.vocab_size))
         self.params = parameter_count(model, non_embedding=False)

@@ -1,5 +1,5 @@
 """Every layout the GPT trainer's options accept on this many processes, in one torchrun launch: the space
-is read from the options themselves (config.Layout's dimensions, --pp_schedule's and --dtype's choices,
+is read from the options themselves (parallel.Layout's dimensions, --pp_schedule's and --dtype's choices,
 --parallel zero), so a dimension, a schedule or a type added there is in it. Each combination goes
 through train.py's own parse_args: refused (one line, said as argparse says it) or trained for a few steps
 by a Trainer into its own snapshot folder, which the test compares with one process's.
@@ -21,6 +21,7 @@ import sys
 
 import config
 import data
+import parallel
 import torch
 import torch.distributed as dist
 from failures import preempt
@@ -32,9 +33,9 @@ from trainer import Trainer
 def degrees(world, most):
     """Every assignment of degrees (each at most `most`) to the mesh's dimensions whose product is world."""
     sizes = [d for d in range(1, world + 1) if world % d == 0 and d <= most]
-    for shape in itertools.product(sizes, repeat=len(config.Layout.NAMES)):
+    for shape in itertools.product(sizes, repeat=len(parallel.Layout.NAMES)):
         if math.prod(shape) == world:
-            yield dict(zip(config.Layout.NAMES, shape, strict=True))
+            yield dict(zip(parallel.Layout.NAMES, shape, strict=True))
 
 
 def choices(option):
@@ -46,7 +47,7 @@ def combinations(world, most, batch, steps):
     """(name, argv) of each combination; the global batch is the same in all."""
     dtypes = {}  # one name per type the choices resolve to here (auto: fp32 on a CPU)
     for name in sorted(choices("--dtype"), key=lambda n: n == "auto"):
-        dtypes.setdefault(config.resolve_dtype(name, torch.device("cpu")), name)
+        dtypes.setdefault(parallel.resolve_dtype(name, torch.device("cpu")), name)
     for shape in degrees(world, most):
         schedules = choices("--pp_schedule") if shape["pp"] > 1 else [None]
         dp = shape["dp_replicate"] * shape["dp_shard"]

@@ -8,7 +8,6 @@ import sys
 import weakref
 from types import SimpleNamespace
 
-import config
 import model as model_mod
 import parallel
 import torch
@@ -18,13 +17,13 @@ from model import GPT, GPTConfig
 kind = sys.argv[1]
 dist.init_process_group("gloo")
 if kind == "pp":  # one block per stage, 4 micro-batches
-    layout = config.Layout(pp=2, dp_shard=2)
+    layout = parallel.Layout(pp=2, dp_shard=2)
     cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
 elif kind == "fsdp":  # two blocks, one micro-batch
-    layout = config.Layout(dp_shard=4)
+    layout = parallel.Layout(dp_shard=4)
     cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16)
 else:  # FSDP over tp's shards: a matrix split twice along its rows (_StridedShard)
-    layout = config.Layout(dp_shard=2, tp=2)
+    layout = parallel.Layout(dp_shard=2, tp=2)
     cfg = GPTConfig(vocab_size=10, block_size=16, n_layer=2, n_head=2, n_embd=18)
 args = SimpleNamespace(
     seed=0, compile=False, comm_hook=None, ac="none", ac_every=2, pp_schedule="1f1b", pp_microbatches=4
