@@ -136,7 +136,14 @@ class Config:
         "optimizer steps in all", check=positive, group="training (default: the preset's)"
     )
     batch_size: int = option("sequences per micro-batch per data-parallel process", check=positive)
-    grad_accum: int = option("micro-batches per step, added up (%(default)s)", 1, positive)
+    grad_accum: int = option(
+        "micro-batches per step, added up (%(default)s)",
+        1,
+        positive,
+        ok=lambda c: c.grad_accum == 1 or c.layout.pp == 1,
+        no="--pp {c.layout.pp}: --grad_accum {c.grad_accum}: accumulate with --pp_microbatches",
+    )
+    global_batch: int = derived()  # sequences a step: batch_size x grad_accum x the data-parallel degree
     lr: float = option("peak learning rate", check=positive)
     min_lr: float = option(
         "the cosine ends here (default lr / 10)",
@@ -332,6 +339,7 @@ def parse_args(argv=None):
         **values
         | dict(
             layout=layout,
+            global_batch=values["batch_size"] * values["grad_accum"] * layout.dp,
             decay_given=values["decay_steps"] is not None,
             decay_steps=max_steps if values["decay_steps"] is None else values["decay_steps"],
             min_lr=values["lr"] / 10 if values["min_lr"] is None else values["min_lr"],

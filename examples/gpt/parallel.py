@@ -195,10 +195,6 @@ def layout_checks(args, layout, cuda):
                 f"--pp_microbatches {args.pp_microbatches} for {layout.pp} stages",
             ),
             (
-                args.grad_accum == 1,
-                f"--pp {layout.pp}: --grad_accum {args.grad_accum}: accumulate with --pp_microbatches",
-            ),
-            (
                 resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu")) != torch.float16,
                 f"--pp {layout.pp}: --dtype fp16 (auto's choice on GPUs without bf16) needs a gradient "
                 "scaler, which the pipeline lacks here: pass --dtype fp32 or bf16",

@@ -42,7 +42,6 @@ class Trainer:
         self.train_data, self.val_data = corpus.train, corpus.val
         if args.in_memory:  # or the whole corpus on the device, indexed there (for comparison)
             self.train_data, self.val_data = corpus.train.long().to(device), corpus.val.long().to(device)
-        self.global_batch = args.batch_size * args.grad_accum * self.dp_world
         self.dtype = parallel.resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
             model = GPT(model_config(args, corpus.vocab_size))
@@ -83,7 +82,7 @@ class Trainer:
         a = self.args
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.args, self.step)
-        offsets = data.step_offsets(a.seed, self.step, self.global_batch, len(self.train_data), a.block_size)
+        offsets = data.step_offsets(a.seed, self.step, a.global_batch, len(self.train_data), a.block_size)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(a.grad_accum):
             # this process's slice of the step's global batch

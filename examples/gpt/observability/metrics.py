@@ -154,7 +154,7 @@ def opening(t):
         f"model {a.model}: {params:.2f}M parameters, vocabulary {t.corpus.vocab_size}, {tokens}, "
         f"{len(t.train_data)} training tokens | {t.world} process(es) on {t.device.type}, "
         f"{dtype}, attention {kernel} | layout {t.layout.describe()} | global batch "
-        f"{t.global_batch} x {a.block_size} tokens"
+        f"{a.global_batch} x {a.block_size} tokens"
     )
 
 
@@ -163,7 +163,7 @@ def log_interval(t, loss, norm, steps, seconds):
     the gradient norm is the last step's, before clipping; the learning rate the last step's. A
     collective where --slow_factor times the processes."""
     a, lr = t.args, t.optimizer.param_groups[0]["lr"]
-    tokens_per_s = steps * t.global_batch * a.block_size / seconds
+    tokens_per_s = steps * a.global_batch * a.block_size / seconds
     mfu = None if t.peak is None else tokens_per_s / t.world * t.flops_per_token / t.peak
     t.log(
         f"step {t.step}/{a.max_steps} | loss {loss:.4f} | grad norm {norm:.3g} | lr {lr:.2e} | "

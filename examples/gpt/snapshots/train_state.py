@@ -30,7 +30,7 @@ def save(trainer, rng):
         "scaler": t.scaler.state_dict(),
         "step": t.step,
         "seed": a.seed,
-        "global_batch": t.global_batch,
+        "global_batch": a.global_batch,
         "schedule": {key: getattr(a, key) for key in SCHEDULE_KEYS},
         "rng": all_ranks(rng),  # one entry per process
         "layout": t.layout.as_dict(),  # whose processes drew those streams
@@ -60,10 +60,10 @@ def restore(trainer, snapshot):
     if "decay_steps" in before and not a.decay_given:  # the cosine keeps the snapshot's end
         t.args = a = replace(a, decay_steps=before["decay_steps"])
     compare_schedule(a, before, t.log)
-    if (snapshot["seed"], snapshot["global_batch"]) != (a.seed, t.global_batch):
+    if (snapshot["seed"], snapshot["global_batch"]) != (a.seed, a.global_batch):
         t.log(
             f"note: the snapshot ran with seed {snapshot['seed']} and global batch "
-            f"{snapshot['global_batch']}; this run has {a.seed} and {t.global_batch}"
+            f"{snapshot['global_batch']}; this run has {a.seed} and {a.global_batch}"
         )
 
 
@@ -115,7 +115,7 @@ def from_hf(args, corpus):
         "scaler": {},  # a LossScaler off: no fp16 loss scale to keep
         "step": 0,
         "seed": args.seed,
-        "global_batch": args.batch_size * args.grad_accum * args.layout.dp,
+        "global_batch": args.global_batch,
         "schedule": {},
         "rng": [],
         "model": model_state,
