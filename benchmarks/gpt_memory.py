@@ -174,7 +174,7 @@ def main(argv=None):
             + ("" if ranks == 4 else f" (the 2-D layouts {list(LAYOUTS)} need 4 ranks)")
         )
     if args.cache_dir is None:
-        from config import default_cache_dir
+        from data import default_cache_dir
 
         args.cache_dir = default_cache_dir()
     results = {}

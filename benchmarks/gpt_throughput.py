@@ -164,7 +164,7 @@ def main():
     if args.global_batch % 2:
         p.error("--global_batch must be even, to split between 2 processes")
     if args.cache_dir is None:
-        from config import default_cache_dir
+        from data import default_cache_dir
 
         args.cache_dir = default_cache_dir()
     if sum([args.shards, args.metrics, args.strategies is not None]) > 1:

@@ -1,98 +1,26 @@
 """The command line as one frozen Config: each option a field, declared once with its help, its default
 and its checks. A preset's values are defaults that any option given on the command line overrides."""
 
-import argparse
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import get_args
 
+import presets
 import torch
 from ac import MODES as AC_MODES
-from failures import failure
+from data import default_cache_dir
+from observability import traces
+from options import check, derived, not_negative, option, parser_for, positive, writable
 from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout
 from snapshots import hf
-
-# Model shape and the training settings that suit it.
-PRESETS = {
-    # about 0.8M parameters: a few thousand steps of this learn Python's look on two CPU cores
-    "cpu": {
-        **dict(n_layer=4, n_head=4, n_embd=128, block_size=128, dropout=0.0, tokenizer="char"),
-        **dict(batch_size=16, lr=1e-3, warmup_steps=20, max_steps=300),
-        **dict(eval_every=100, eval_samples=256, log_every=10),
-    },
-    # about 10.7M parameters, one GPU for minutes
-    "mini": {
-        **dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.1, tokenizer="char"),
-        **dict(batch_size=64, lr=1e-3, warmup_steps=100, max_steps=3000),
-        **dict(eval_every=250, eval_samples=2048, log_every=10),
-    },
-    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024) and its 50257-token byte-level BPE
-    # vocabulary: 124M parameters (85M with --tokenizer char)
-    "gpt2": {
-        **dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, tokenizer="bpe"),
-        **dict(batch_size=16, lr=6e-4, warmup_steps=200, max_steps=2000),
-        **dict(eval_every=250, eval_samples=1024, log_every=10),
-    },
-}
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "activation")
-WARMUP_FRACTION = 0.1  # a preset's warm-up takes at most this share of --max_steps: not all warm-up
-
-
-def option(help=None, default=None, check=None, ok=None, no=None, group=None, **kwargs):
-    """A field that is an option: its help, default (a function: called as the parser is built),
-    argparse's other keywords (type: the field's), checks: check(config, name) -> the refusal or
-    nothing, then ok(config), else the refusal `no` ({c.NAME}: a field); group: the --help heading
-    from this option on."""
-    checks = [check for check in (check, must(ok, no) if ok else None) if check]
-    return field(metadata=dict(help=help, default=default, kwargs=kwargs, checks=checks, group=group))
-
-
-def derived(check=None):
-    """A field computed from the options before the Config is made, not an option itself."""
-    return field(metadata=dict(checks=[check] if check else []))
-
-
-def must(ok, refusal):
-    return lambda c, name: None if ok(c) else refusal.format(c=c)
-
-
-def positive(c, name):
-    value = getattr(c, name)
-    return value is not None and value <= 0 and f"--{name} must be positive, got {value}"
-
-
-def not_negative(c, name):
-    return getattr(c, name) < 0 and f"--{name} must be 0 or more, got {getattr(c, name)}"
-
-
-def writable(c, name):  # now, not at the end of the run
-    problem = unwritable(getattr(c, name))
-    return problem and f"--{name} {getattr(c, name)}: {problem}"
-
-
-def default_cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ddp-examples", "gpt")
-
-
-def step_range(text):
-    """'A:B' -> (A, B), steps counted from 1, A <= B."""
-    try:
-        first, last = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected FIRST:LAST, two step numbers, got {text!r}") from None
-    if not 1 <= first <= last:
-        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
-    return first, last
 
 
 @dataclass(frozen=True)
 class Config:
     """The whole command line, complete (presets filled in, derived fields computed) and checked."""
 
-    model: str = option("size preset (default: gpt2 with a GPU, cpu without one)", choices=PRESETS)
+    model: str = option("size preset (default: gpt2 with a GPU, cpu without one)", choices=presets.PRESETS)
     data: str = option(
         "a folder of shards (prepare.py's, or nanoGPT's train.bin and val.bin), or text prepared into "
         "the cache with --tokenizer: stdlib (default), a UTF-8 file or folder, an http(s) URL",
@@ -190,7 +118,7 @@ class Config:
         "torch.profiler over steps A to B: a Chrome/Perfetto trace per process, and its time in "
         "compute, in collectives and overlapped",
         metavar="A:B",
-        type=step_range,
+        type=traces.step_range,
     )
     profile_dir: str = option("--profile_steps: the traces' folder (%(default)s)", "traces", writable)
     memory_snapshot: str | None = option(
@@ -280,32 +208,8 @@ class Config:
     layout: Layout = derived(lambda c, _: layout_checks(c, c.layout, torch.cuda.is_available()))  # noqa: RUF009
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, whose errors are the last line a user sees: under torchrun said once, in torchrun's closing
-    summary; alone after one line of usage, not the whole list of options."""
-
-    def error(self, message):
-        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-            self.exit(2, f"usage: {self.prog} [options] (--help lists them)\n{self.prog}: error: {message}\n")
-        failure.refuse(self.prog, message)
-
-
 def get_parser():
-    """An option for each of Config's option fields, in their order, under their group's heading."""
-    p = group = Parser(description="Train a GPT, alone or under torchrun.")
-    for f in fields(Config):
-        if "kwargs" not in f.metadata:  # derived
-            continue
-        kwargs, default = dict(f.metadata["kwargs"]), f.metadata["default"]
-        if f.metadata["group"]:
-            group = p.add_argument_group(f.metadata["group"])
-        if f.type is bool:
-            kwargs.update(action="store_true", default=False)
-        else:
-            kwargs.setdefault("type", f.type if isinstance(f.type, type) else get_args(f.type)[0])
-            kwargs["default"] = default() if callable(default) else default
-        group.add_argument(f"--{f.name}", help=f.metadata["help"], **kwargs)
-    return p
+    return parser_for(Config, "Train a GPT, alone or under torchrun.")
 
 
 def parse_args(argv=None):
@@ -323,7 +227,7 @@ def parse_args(argv=None):
         for key in ("n_layer", "n_head", "n_embd", "block_size", "activation"):
             values[key] = shape[key] if values[key] is None else values[key]
     values["activation"] = values["activation"] or "gelu"
-    values |= {key: value for key, value in PRESETS[values["model"]].items() if values[key] is None}
+    values |= {key: value for key, value in presets.PRESETS[values["model"]].items() if values[key] is None}
     for key, value in values.items():  # nan and inf pass every comparison, or wrongly fail it
         if isinstance(value, float) and not math.isfinite(value):
             parser.error(f"--{key} must be a finite number, got {value}")
@@ -334,7 +238,7 @@ def parse_args(argv=None):
     except ValueError as exc:
         parser.error(str(exc))
     max_steps, warmup = values["max_steps"], values["warmup_steps"]
-    cut = preset_warmup and 0 < max_steps and warmup > int(max_steps * WARMUP_FRACTION)
+    cut = preset_warmup and 0 < max_steps and warmup > int(max_steps * presets.WARMUP_FRACTION)
     config = Config(
         **values
         | dict(
@@ -343,14 +247,11 @@ def parse_args(argv=None):
             decay_given=values["decay_steps"] is not None,
             decay_steps=max_steps if values["decay_steps"] is None else values["decay_steps"],
             min_lr=values["lr"] / 10 if values["min_lr"] is None else values["min_lr"],
-            warmup_steps=int(max_steps * WARMUP_FRACTION) if cut else warmup,
+            warmup_steps=int(max_steps * presets.WARMUP_FRACTION) if cut else warmup,
             ac_every=2 if values["ac_every"] is None and values["ac"] == "selective" else values["ac_every"],
         )
     )
-    for f in fields(Config):
-        for check in f.metadata["checks"]:
-            if refusal := check(config, f.name):
-                parser.error(refusal)
+    check(config, parser)
     if os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.getenv("TORCHELASTIC_MAX_RESTARTS") != "0":
         parser.error(
             "restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ...: with "
@@ -359,24 +260,6 @@ def parse_args(argv=None):
     if cut and os.getenv("RANK", "0") == "0":
         print(
             f"the preset's warm-up cut to {config.warmup_steps} steps from {warmup}: "
-            f"{WARMUP_FRACTION:.0%} of --max_steps"
+            f"{presets.WARMUP_FRACTION:.0%} of --max_steps"
         )
     return parser, config
-
-
-def unwritable(path):
-    """Why a file or directory could not be written at path, or None: an existing directory there (a
-    snapshot folder, written into) must itself be writable, else the nearest folder that exists on the
-    way to it must be a writable directory. Nothing is created."""
-    if path is None:
-        return None
-    if os.path.isdir(path):
-        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        return f"{folder} is not a directory"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{folder} is not writable"
-    return None

@@ -327,3 +327,8 @@ def gather(data, offsets, block_size, device=None):
         pinned = chunk.pin_memory() if device.type == "cuda" else chunk
         chunk = pinned.to(device, non_blocking=True)
     return chunk[:, :-1], chunk[:, 1:]
+
+
+def default_cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ddp-examples", "gpt")

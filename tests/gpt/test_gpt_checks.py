@@ -99,14 +99,14 @@ def test_replicas_that_differ_are_named():
 
 
 def test_an_existing_snapshot_folder_must_itself_be_writable(tmp_path, monkeypatch):
-    config = import_gpt_module("config")
+    options = import_gpt_module("options")
     snapshots = tmp_path / "gpt_snapshot"
     snapshots.mkdir()
-    assert config.unwritable(str(snapshots)) is None
+    assert options.unwritable(str(snapshots)) is None
     access = os.access  # as root every folder is writable: refuse this one folder as a read-only mount would
     monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(snapshots) and access(path, mode))
-    assert config.unwritable(str(snapshots)) == f"{snapshots} is not writable"
-    assert config.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
+    assert options.unwritable(str(snapshots)) == f"{snapshots} is not writable"
+    assert options.unwritable(str(tmp_path / "new" / "gpt_snapshot")) is None  # its parent is writable
 
 
 def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_path, cache):
@@ -188,7 +188,7 @@ def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):
 
 def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
     """Two lines, the error last: not argparse's usage of every option (about 25 lines) above it. Mutation:
-    config.Parser.error calling argparse's own -> fails."""
+    options.Parser.error calling argparse's own -> fails."""
     proc = run(
         [PYTHON, TRAIN, "--max_steps", "-1", "--metrics_path", "m"], timeout=120, check=False, cwd=tmp_path
     )

@@ -3,6 +3,7 @@
 prints where its time went: in compute, in collectives, and how much of the collectives ran while
 it computed (DDP's all-reduce of one bucket overlapping the backward pass of the next, for one)."""
 
+import argparse
 import json
 import os
 
@@ -107,3 +108,14 @@ def intersect(a, b):
 
 def length(intervals):
     return sum(end - start for start, end in intervals)
+
+
+def step_range(text):
+    """'A:B' -> (A, B), steps counted from 1, A <= B."""
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST, two step numbers, got {text!r}") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
+    return first, last

@@ -5,12 +5,13 @@ from dataclasses import asdict, replace
 
 import parallel
 import torch
-from config import MODEL_KEYS
 from model import GPT, GPTConfig, optimizer_groups
 from processes import all_ranks
 
 from snapshots import checkpoint, hf
 
+# The Config fields that make the model's shape (GPTConfig's, but its vocabulary: the corpus's)
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "activation")
 # The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
 
