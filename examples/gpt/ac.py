@@ -12,7 +12,8 @@ MODES = ("none", "full", "selective")
 
 
 def recomputed_blocks(n_layer, mode, every):
-    """The indices of the blocks that recompute: every n-th counted from the first (n-1, 2n-1, ...)."""
+    """The indices of the blocks that recompute: every
+    n-th counted from the first (n-1, 2n-1, ...)."""
     if mode == "none":
         return set()
     step = 1 if mode == "full" else every

@@ -1,5 +1,6 @@
-"""The command line as one frozen Config: each option a field, declared once with its help, its default
-and its checks. A preset's values are defaults that any option given on the command line overrides."""
+"""The command line as one frozen Config: each option a field, declared once with its
+help, its default and its checks. A preset's values are defaults that any option given on
+the command line overrides."""
 
 import math
 import os
@@ -18,7 +19,8 @@ from snapshots import hf
 
 @dataclass(frozen=True)
 class Config:
-    """The whole command line, complete (presets filled in, derived fields computed) and checked."""
+    """The whole command line, complete (presets filled
+    in, derived fields computed) and checked."""
 
     model: str = option("size preset (default: gpt2 with a GPU, cpu without one)", choices=presets.PRESETS)
     data: str = option(
@@ -204,7 +206,8 @@ class Config:
         choices=SCHEDULES,
     )
     pp_microbatches: int = option("pp: micro-batches each batch is cut into (%(default)s)", 4, positive)
-    # parallel.make_layout's, from the degrees or --parallel and WORLD_SIZE; its checks parallel.py's
+    # parallel.make_layout's, from the degrees or
+    # --parallel and WORLD_SIZE; its checks parallel.py's
     layout: Layout = derived(lambda c, _: layout_checks(c, c.layout, torch.cuda.is_available()))  # noqa: RUF009
 
 
@@ -213,8 +216,9 @@ def get_parser():
 
 
 def parse_args(argv=None):
-    """The parser and the Config: parsed, the preset (or a GPT-2 folder's shape) filled in, derived
-    values computed, then checked; nonsense is refused with an argparse message and exit status 2."""
+    """The parser and the Config: parsed, the preset (or a GPT-2 folder's shape)
+    filled in, derived values computed, then checked; nonsense is refused with an
+    argparse message and exit status 2."""
     parser = get_parser()
     values = vars(parser.parse_args(argv))
     values["model"] = values["model"] or ("gpt2" if torch.cuda.is_available() else "cpu")

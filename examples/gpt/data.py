@@ -84,7 +84,8 @@ def touch_until(path, done):
 
 
 def download(url, dest, timeout):
-    """Fetch url into dest. Every network wait is bounded by timeout, and so is the whole transfer."""
+    """Fetch url into dest. Every network wait is
+    bounded by timeout, and so is the whole transfer."""
     deadline = time.monotonic() + timeout
 
     def write(f):
@@ -262,7 +263,8 @@ class PlainUnpickler(pickle.Unpickler):
 
 
 def read_meta(path):
-    """The character tokenizer of nanoGPT's meta.pkl (vocab_size, itos, stoi), read as plain data."""
+    """The character tokenizer of nanoGPT's meta.pkl
+    (vocab_size, itos, stoi), read as plain data."""
     try:
         with open(path, "rb") as f:
             meta = PlainUnpickler(f).load()
@@ -279,8 +281,9 @@ GPT2_VOCAB = 50257  # tokens of GPT-2's BPE: the vocabulary when none is given
 
 
 def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
-    """The Corpus of --data: prepared shards as they are; text (`stdlib`, a file or folder, an http(s) URL)
-    prepared with the tokenizer `kind` into the cache folder by the first process, once."""
+    """The Corpus of --data: prepared shards as they are; text (`stdlib`, a file or
+    folder, an http(s) URL) prepared with the tokenizer `kind` into the cache folder
+    by the first process, once."""
     path = Path(source)
     if path.is_dir() and ((path / prepare.MANIFEST).exists() or (path / "train.bin").exists()):
         return open_shards(path, vocab_size)

@@ -7,7 +7,8 @@ Hugging Face's GPT-2 format, which transformers' GPT2LMHeadModel and PreTrainedT
     python examples/gpt/export.py gpt_snapshot gpt_snapshot.pt --sample 200   # and print generated text
     python examples/gpt/export.py gpt_snapshot gpt2-mine --format hf          # config, weights, tokenizer
 
-It runs in one process and reads every part, so the whole model and optimizer state must fit in memory.
+It runs in one process and reads every part, so the
+whole model and optimizer state must fit in memory.
 """
 
 import argparse
@@ -40,7 +41,8 @@ def load_whole(snapshot_dir):
 
 
 def single_file_state(snapshot_dir):
-    """What the single file holds: the snapshot's entries, the model's and the optimizer's whole state."""
+    """What the single file holds: the snapshot's entries,
+    the model's and the optimizer's whole state."""
     state, model, optimizer = load_whole(snapshot_dir)
     model_state, optimizer_state = checkpoint.whole_state(model, optimizer)
     return {**state, "model": model_state, "optimizer": optimizer_state}

@@ -1,5 +1,6 @@
-"""A decoder-only GPT: token and position embeddings, then pre-norm blocks of causal self-attention and an
-MLP, then a final norm and an output layer that shares its weight with the token embedding."""
+"""A decoder-only GPT: token and position embeddings, then pre-norm blocks of causal
+self-attention and an MLP, then a final norm and an output layer that shares its
+weight with the token embedding."""
 
 import hashlib
 import math
@@ -43,7 +44,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
-        # tensor parallel: which share of the heads this process computes (parallel.apply_tp sets it)
+        # tensor parallel: which share of the heads this
+        # process computes (parallel.apply_tp sets it)
         self.head_share = None
 
     def forward(self, x):
@@ -94,7 +96,8 @@ def attention_kernel(cfg, device, dtype, dropout):
     after it (for example ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made
     of ordinary operations."""
     shape = (1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-    # its random numbers (and dropout's) from a copy of the random state: training's streams stay as they were
+    # its random numbers (and dropout's) from a copy of the
+    # random state: training's streams stay as they were
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
         with sdpa_kernel(attention_backends(device), set_priority=True):
@@ -127,8 +130,9 @@ class MLP(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """A LayerNorm computed in float32 whatever its weights' type: FSDP gathers them in bf16 under --dtype
-    bf16, where one process keeps them in float32; both then normalise alike, as autocast does on a GPU."""
+    """A LayerNorm computed in float32 whatever its weights' type: FSDP gathers them in
+    bf16 under --dtype bf16, where one process keeps them in float32; both then normalise
+    alike, as autocast does on a GPU."""
 
     def forward(self, x):
         bias = None if self.bias is None else self.bias.float()
@@ -148,7 +152,8 @@ class Block(nn.Module):
         # grad mode read first: evaluation and sampling then never read recompute, so a compiled
         # block's graphs for them serve every block (parallel.apply_compile), recomputed or not
         if torch.is_grad_enabled() and self.recompute:
-            # keep the input only; backward recomputes the rest, with the same random state (dropout)
+            # keep the input only; backward recomputes the
+            # rest, with the same random state (dropout)
             return checkpoint(self.residual, x, use_reentrant=False)
         return self.residual(x)
 
@@ -175,14 +180,17 @@ class GPT(nn.Module):
         # split over the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss
         # computed on that split
         self.loss_chunk = 1024
-        # a pipeline's last stage sets it (parallel.split_stage): forward then stops at the final norm, and
-        # the schedule's loss function applies the head (head_loss), so its loss is chunked too
+        # a pipeline's last stage sets it (parallel.split_stage): forward then stops at
+        # the final norm, and the schedule's loss function applies the head
+        # (head_loss), so its loss is chunked too
         self.stop_before_head = False
-        # no initialisation here: the model is usually built on the meta device, and each process then
-        # fills in its own part of every parameter (parallel.materialise, with initial_value below)
+        # no initialisation here: the model is usually built on the meta device, and
+        # each process then fills in its own part of every parameter
+        # (parallel.materialise, with initial_value below)
 
     def init_weights(self, seed):
-        """Every parameter as initial_value makes it: what a process holding the whole model does."""
+        """Every parameter as initial_value makes it:
+        what a process holding the whole model does."""
         with torch.no_grad():
             for name, param in self.named_parameters():
                 param.copy_(initial_value(name, param.shape, self.cfg, seed))
@@ -199,15 +207,17 @@ class GPT(nn.Module):
         return None, self.head_loss(x, targets)
 
     def head_loss(self, x, targets):
-        """The mean cross-entropy of the head's logits of x (the final norm's output) against targets."""
+        """The mean cross-entropy of the head's logits of
+        x (the final norm's output) against targets."""
         if self.loss_chunk is None:
             return cross_entropy(self.head(x), targets)
         return chunked_cross_entropy(x, self.head.weight, self.head.bias, targets, self.loss_chunk)
 
     def layers(self, x):
-        """Token ids through every part this module holds, in order: the whole model maps them to the final
-        norm's output. A pipeline stage (parallel.split_stage) holds some blocks and sets the parts it lacks
-        to None: it maps what the stage before it sends to what the next one receives."""
+        """Token ids through every part this module holds, in order: the whole model maps
+        them to the final norm's output. A pipeline stage (parallel.split_stage) holds some
+        blocks and sets the parts it lacks to None: it maps what the stage before it sends to
+        what the next one receives."""
         if self.pos_emb is not None:  # the first stage (the last one keeps tok_emb only as the head)
             length = x.shape[1]
             if length > self.cfg.block_size:
@@ -258,8 +268,9 @@ def initial_value(name, shape, cfg, seed):
     return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(key))
 
 
-# A padded row's score: its probability exp(-10000 - max) is 0 in float32, so the loss and the samples
-# see the vocabulary only, and a padded row's gradient is 0. Finite, and within fp16's and bf16's range.
+# A padded row's score: its probability exp(-10000 - max) is 0 in float32, so the loss and
+# the samples see the vocabulary only, and a padded row's gradient is 0. Finite, and
+# within fp16's and bf16's range.
 PADDING_SCORE = -1e4
 
 
@@ -305,7 +316,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, grad_enabled):
-        # inside forward grad mode is always off: whether gradients are wanted is read before (grad_enabled)
+        # inside forward grad mode is always off: whether
+        # gradients are wanted is read before (grad_enabled)
         wants = [grad_enabled and needed for needed in ctx.needs_input_grad[:3]]
         grad_x = torch.zeros_like(x) if wants[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
@@ -344,7 +356,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def parameter_count(model, non_embedding=True):
-    """Parameters, without the position embedding by default (the token embedding is also the head)."""
+    """Parameters, without the position embedding by
+    default (the token embedding is also the head)."""
     count = sum(p.numel() for p in model.parameters())
     return count - model.pos_emb.weight.numel() if non_embedding else count
 
@@ -362,7 +375,8 @@ def flops_per_token(model, llmc=False):
 
 
 def optimizer_groups(model, weight_decay):
-    """AdamW groups: weight decay on the matrices of linear layers; none on biases, norms and embeddings."""
+    """AdamW groups: weight decay on the matrices of linear
+    layers; none on biases, norms and embeddings."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():  # by name: a pipeline stage may hold the head alone
         if not param.requires_grad:  # the head's padding bias

@@ -1,6 +1,6 @@
-"""How a field of config.Config becomes a command-line option: declared with its help, its default and
-its checks (option, derived), turned into argparse's parser (parser_for), and checked once the Config
-is made (check). Refusals are argparse's: the message, exit status 2."""
+"""How a field of config.Config becomes a command-line option: declared with its help, its default
+and its checks (option, derived), turned into argparse's parser (parser_for), and checked once the
+Config is made (check). Refusals are argparse's: the message, exit status 2."""
 
 import argparse
 import os
@@ -43,9 +43,9 @@ def writable(c, name):  # now, not at the end of the run
 
 
 def unwritable(path):
-    """Why a file or directory could not be written at path, or None: an existing directory there (a
-    snapshot folder, written into) must itself be writable, else the nearest folder that exists on the
-    way to it must be a writable directory. Nothing is created."""
+    """Why a file or directory could not be written at path, or None: an existing directory there
+    (a snapshot folder, written into) must itself be writable, else the nearest folder that exists
+    on the way to it must be a writable directory. Nothing is created."""
     if path is None:
         return None
     if os.path.isdir(path):
@@ -61,8 +61,8 @@ def unwritable(path):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, whose errors are the last line a user sees: under torchrun said once, in torchrun's closing
-    summary; alone after one line of usage, not the whole list of options."""
+    """argparse, whose errors are the last line a user sees: under torchrun said once, in
+    torchrun's closing summary; alone after one line of usage, not the whole list of options."""
 
     def error(self, message):
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
@@ -90,7 +90,8 @@ def parser_for(cls, description):
 
 
 def check(config, parser):
-    """Every field's checks, in the fields' order: the first refusal ends the run as argparse's error."""
+    """Every field's checks, in the fields' order: the
+    first refusal ends the run as argparse's error."""
     for f in fields(config):
         for rule in f.metadata["checks"]:
             refusal = rule(config, f.name)

@@ -9,10 +9,11 @@
     apply_ddp       dp_replicate alone: a replica per process, gradients all-reduced (DDP)
     make_optimizer  AdamW, or under zero the ZeroRedundancyOptimizer over the replicas
 
-parallelize() applies the ones the layout asks for, in that order, to a model built on the meta device,
-then gives each process's part its initial values (materialise). Each function is short: read them side by
-side with docs/parallelism.md. Below them, what the trainer needs wherever a model is split: the step and
-the loss of a pipeline, the gradient norm, and the end-of-run comparison of replicas.
+parallelize() applies the ones the layout asks for, in that order, to a model built on the meta
+device, then gives each process's part its initial values (materialise). Each function is
+short: read them side by side with docs/parallelism.md. Below them, what the trainer needs
+wherever a model is split: the step and the loss of a pipeline, the gradient norm, and the
+end-of-run comparison of replicas.
 """
 
 import hashlib
@@ -39,12 +40,13 @@ SCHEDULES = ("gpipe", "1f1b")  # --pp_schedule
 
 @dataclass(frozen=True)
 class Layout:
-    """How the processes share the work: a device mesh of four named dimensions, outermost first (as
-    torchtitan orders them, so that tp's processes are neighbours, on one node): pipeline stages (pp), then
-    replicas (dp_replicate: DDP, or HSDP's replicas), then shards of the data-parallel state (dp_shard:
-    FSDP), then tensor-parallel parts of each matrix (tp). Rank r sits at the coordinates r has written in
-    mixed radix (pp, dp_replicate, dp_shard, tp). The data-parallel processes (dp_replicate x dp_shard of
-    them) each read their own share of a batch; the pp and tp processes of one share read the same one."""
+    """How the processes share the work: a device mesh of four named dimensions, outermost first
+    (as torchtitan orders them, so that tp's processes are neighbours, on one node): pipeline
+    stages (pp), then replicas (dp_replicate: DDP, or HSDP's replicas), then shards of the
+    data-parallel state (dp_shard: FSDP), then tensor-parallel parts of each matrix (tp). Rank r
+    sits at the coordinates r has written in mixed radix (pp, dp_replicate, dp_shard, tp). The
+    data-parallel processes (dp_replicate x dp_shard of them) each read their own share of a batch;
+    the pp and tp processes of one share read the same one."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -53,8 +55,8 @@ class Layout:
     zero: bool = False  # dp_replicate's AdamW state split over the replicas (ZeroRedundancyOptimizer)
 
     NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-    # The process that logs, writes the metrics file and commits each snapshot (its extra state and the
-    # pointer to it): the one at coordinate 0 of every dimension, on the first pipeline stage.
+    # The process that logs, writes the metrics file and commits each snapshot (its extra state and
+    # the pointer to it): the one at coordinate 0 of every dimension, on the first pipeline stage.
     leader = 0
 
     @property
@@ -97,9 +99,9 @@ class Layout:
 
 
 def make_layout(args, world):
-    """The Layout of these arguments for `world` processes; ValueError (one line) when they cannot make
-    one. Degrees not given are 1; --parallel NAME puts every process along NAME's dimension (the
-    command line's reader makes it ddp when neither it nor a degree is given)."""
+    """The Layout of these arguments for `world` processes; ValueError (one line) when they cannot
+    make one. Degrees not given are 1; --parallel NAME puts every process along NAME's dimension
+    (the command line's reader makes it ddp when neither it nor a degree is given)."""
     given = {name: getattr(args, name) for name in Layout.NAMES if getattr(args, name) is not None}
     zero = args.parallel == "zero"
     if zero and any(given.get(name, 1) != 1 for name in ("dp_shard", "tp", "pp")):
@@ -140,12 +142,14 @@ def comm_hook_refused(layout):
 
 
 def native_bf16():
-    """bfloat16 in hardware (compute capability 8.0 on): is_bf16_supported() alone counts emulation too."""
+    """bfloat16 in hardware (compute capability 8.0 on):
+    is_bf16_supported() alone counts emulation too."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def resolve_dtype(name, device):
-    """--dtype as a torch dtype: auto is bfloat16 on GPUs that have it, else float16; float32 on CPUs."""
+    """--dtype as a torch dtype: auto is bfloat16 on
+    GPUs that have it, else float16; float32 on CPUs."""
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
@@ -154,8 +158,8 @@ def resolve_dtype(name, device):
 
 
 def layout_checks(args, layout, cuda):
-    """Sizes that do not split over the layout, found here, before any process group forms: the first
-    refusal, or None."""
+    """Sizes that do not split over the layout, found here, before
+    any process group forms: the first refusal, or None."""
     checks = [
         (
             args.n_head % layout.tp == 0,
@@ -204,15 +208,16 @@ def layout_checks(args, layout, cuda):
 
 
 def build_mesh(layout, device):
-    """The named device mesh, outermost dimension first; dimensions of size 1 are kept, so every name
-    exists in every layout."""
+    """The named device mesh, outermost dimension first; dimensions
+    of size 1 are kept, so every name exists in every layout."""
     return init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.NAMES)
 
 
 def split_stage(model, mesh):
-    """pp: keep this stage's share of consecutive blocks. The first stage also embeds, the last also holds
-    the final norm and the head, whose weight is the token embedding's: the last stage keeps its copy of
-    that matrix under the same name (tok_emb), so snapshots and the optimizer name it as one process does."""
+    """pp: keep this stage's share of consecutive blocks. The first stage also embeds, the last
+    also holds the final norm and the head, whose weight is the token embedding's: the last stage
+    keeps its copy of that matrix under the same name (tok_emb), so snapshots and the optimizer
+    name it as one process does."""
     stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
     layers = list(model.blocks)
     mine = layers[stage * len(layers) // stages : (stage + 1) * len(layers) // stages]
@@ -230,15 +235,16 @@ def split_stage(model, mesh):
 
 
 def apply_tp(model, mesh):
-    """tp, as torchtitan plans it: every parameter becomes a DTensor on mesh["tp"], so that AdamW (fused or
-    foreach), clipping and the checks see one kind of tensor. Split: both embeddings by rows (a process
-    looks up its share of the vocabulary, or of the positions, and one reduce-scatter sums the parts), qkv
-    and fc by output columns (whole heads: model.py lays qkv out head by head), both proj by input rows,
-    and the head by the vocabulary: its logits stay split and the loss is computed on the split (torch's
-    loss_parallel), so no process holds the whole (batch, length, vocabulary) logits. Between the matrices
-    the activations are split along the sequence (sequence parallel): the norms (replicated weights), the
-    residual stream and its dropout hold 1/tp of the positions; all-gathered before qkv and fc. Each
-    process's dropout draws its own masks: its share of the positions (ShareDropout) or of the heads
+    """tp, as torchtitan plans it: every parameter becomes a DTensor on mesh["tp"], so that AdamW
+    (fused or foreach), clipping and the checks see one kind of tensor. Split: both embeddings by
+    rows (a process looks up its share of the vocabulary, or of the positions, and one
+    reduce-scatter sums the parts), qkv and fc by output columns (whole heads: model.py lays qkv
+    out head by head), both proj by input rows, and the head by the vocabulary: its logits stay
+    split and the loss is computed on the split (torch's loss_parallel), so no process holds the
+    whole (batch, length, vocabulary) logits. Between the matrices the activations are split along
+    the sequence (sequence parallel): the norms (replicated weights), the residual stream and its
+    dropout hold 1/tp of the positions; all-gathered before qkv and fc. Each process's dropout
+    draws its own masks: its share of the positions (ShareDropout) or of the heads
     (model.CausalSelfAttention.attend)."""
     from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
@@ -274,8 +280,8 @@ def apply_tp(model, mesh):
 
 
 def present(module, plan):
-    """The entries of a tensor-parallel plan whose modules this module has (a pipeline stage lacks some; a
-    model of your own may lack a norm)."""
+    """The entries of a tensor-parallel plan whose modules this module has
+    (a pipeline stage lacks some; a model of your own may lack a norm)."""
     out = {}
     for name, style in plan.items():
         try:
@@ -288,9 +294,9 @@ def present(module, plan):
 
 
 class ShareDropout(nn.Dropout):
-    """Dropout over one process's share of the positions (sequence parallel): the processes of one batch
-    share a random stream, so each draws from its own, seeded from the shared one, as one process draws
-    distinct masks for distinct positions."""
+    """Dropout over one process's share of the positions (sequence parallel): the processes of one
+    batch share a random stream, so each draws from its own, seeded from the shared one, as one
+    process draws distinct masks for distinct positions."""
 
     def __init__(self, p, share):
         super().__init__(p)
@@ -304,27 +310,29 @@ class ShareDropout(nn.Dropout):
 
 
 def apply_compile(model, mode="default"):
-    """--compile: each block's forward compiled in place, as torchtitan compiles each block, after tp and
-    before FSDP. fullgraph: a graph break is an error, never a block run eagerly. The blocks share their
-    code, so one compiled graph serves them all. The forward, not the module (block.compile() would trace
-    its hooks): FSDP's all-gathers, which dynamo never traces, run around the graph; and the parameters keep
-    their names, so snapshots load across compiled and eager runs."""
+    """--compile: each block's forward compiled in place, as torchtitan compiles each block,
+    after tp and before FSDP. fullgraph: a graph break is an error, never a block run eagerly.
+    The blocks share their code, so one compiled graph serves them all. The forward, not the
+    module (block.compile() would trace its hooks): FSDP's all-gathers, which dynamo never
+    traces, run around the graph; and the parameters keep their names, so snapshots load
+    across compiled and eager runs."""
     for block in model.blocks.values():
         block.forward = torch.compile(block.forward, fullgraph=True, mode=mode)
 
 
 def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
-    """FSDP2 over (dp_replicate, dp_shard): each block's parameters split over dp_shard, gathered just
-    before its forward and backward, gradients reduce-scattered; with dp_replicate > 1, HSDP: the shards
-    are replicated and their gradients all-reduced across replicas. Under bf16, parameters travel in bf16
-    (the norms upcast them), gradients are reduced in float32 and the float32 shards are the master copy.
-    The tied embedding/head matrix belongs to no block: the root call shards it, once. A pipeline stage
-    passes reshard_after_forward=False (torchtitan's policy under pp): each block stays gathered from its
-    first micro-batch's forward to the step's last backward, one all-gather per block and step instead of
-    one per micro-batch and pass."""
+    """FSDP2 over (dp_replicate, dp_shard): each block's parameters split over dp_shard, gathered
+    just before its forward and backward, gradients reduce-scattered; with dp_replicate > 1, HSDP:
+    the shards are replicated and their gradients all-reduced across replicas. Under bf16,
+    parameters travel in bf16 (the norms upcast them), gradients are reduced in float32 and the
+    float32 shards are the master copy. The tied embedding/head matrix belongs to no block: the
+    root call shards it, once. A pipeline stage passes reshard_after_forward=False (torchtitan's
+    policy under pp): each block stays gathered from its first micro-batch's forward to the step's
+    last backward, one all-gather per block and step instead of one per micro-batch and pass."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # costs a second or two to import
 
-    # the blocks' inputs are not cast: the residual stream stays float32, as one process's under autocast
+    # the blocks' inputs are not cast: the residual stream
+    # stays float32, as one process's under autocast
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
@@ -338,13 +346,14 @@ def apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True):
 
 
 def apply_ddp(module, mesh, device, comm_hook=None):
-    """DDP over dp_replicate: a whole replica (or pipeline stage) per process; backward() averages the
-    gradients over the replicas, optionally in 16 bits on the wire."""
+    """DDP over dp_replicate: a whole replica (or pipeline stage) per process; backward()
+    averages the gradients over the replicas, optionally in 16 bits on the wire."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     group = mesh["dp_replicate"].get_group()
     ids = [device.index] if device.type == "cuda" else None
-    # gradients are views into DDP's buckets: no copy into them before each all-reduce, nor the memory
+    # gradients are views into DDP's buckets: no copy
+    # into them before each all-reduce, nor the memory
     module = DDP(module, device_ids=ids, process_group=group, gradient_as_bucket_view=True)
     if comm_hook:  # each gradient bucket travels in 16 bits and is cast back to float32
         module.register_comm_hook(group, getattr(default_hooks, f"{comm_hook}_compress_hook"))
@@ -352,17 +361,18 @@ def apply_ddp(module, mesh, device, comm_hook=None):
 
 
 def make_optimizer(groups, layout, mesh, device):
-    """AdamW over the parameter groups, built after the model is split (FSDP and tp replace parameters);
-    under zero, each replica keeps and updates the AdamW state of its share of the tensors only, then
-    broadcasts the updated share."""
-    # fused on every device: the GPU's kernel runs on the CPU too, so the tests run the GPU's path; it
-    # also skips a step on the device (found_inf, trainer.update). lr: set before every step
+    """AdamW over the parameter groups, built after the model is split (FSDP and tp replace
+    parameters); under zero, each replica keeps and updates the AdamW state of its share of the
+    tensors only, then broadcasts the updated share."""
+    # fused on every device: the GPU's kernel runs on the CPU too, so the tests run the GPU's path;
+    # it also skips a step on the device (found_inf, trainer.update). lr: set before every step
     options = dict(lr=1.0, betas=(0.9, 0.95), fused=True)
     if layout.zero and layout.dp_replicate > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         group = mesh["dp_replicate"].get_group()
-        # bucket views: each process's updated share is broadcast as a few flat buffers, not a tensor each
+        # bucket views: each process's updated share is
+        # broadcast as a few flat buffers, not a tensor each
         return ZeroRedundancyOptimizer(
             groups, torch.optim.AdamW, process_group=group, parameters_as_bucket_view=True, **options
         )
@@ -370,14 +380,16 @@ def make_optimizer(groups, layout, mesh, device):
 
 
 def local_optimizer(optimizer):
-    """The optimizer that holds this process's state: ZeroRedundancyOptimizer keeps its share in .optim."""
+    """The optimizer that holds this process's state:
+    ZeroRedundancyOptimizer keeps its share in .optim."""
     return getattr(optimizer, "optim", optimizer)
 
 
 def materialise(model, device, seed):
-    """Storage for this process's parts (the model was built on the meta device), filled with their
-    initial values: each parameter is made whole on the CPU, one at a time, cut there (local_part), and
-    only this process's part is copied to the device; buffers as their modules fill them (init_buffers)."""
+    """Storage for this process's parts (the model was built on the meta device), filled with
+    their initial values: each parameter is made whole on the CPU, one at a time, cut there
+    (local_part), and only this process's part is copied to the device; buffers as their
+    modules fill them (init_buffers)."""
     model.to_empty(device=device)
     if model.head is not None and model.tok_emb is not None:
         model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
@@ -391,9 +403,10 @@ def materialise(model, device, seed):
 
 
 def local_part(value, param, cpu_meshes):
-    """This process's part of the whole CPU tensor `value` of a (DTensor) parameter, cut on the CPU as
-    distribute_tensor cuts it (which would first copy the whole tensor to the parameter's device): on a
-    CPU mesh of the same ranks, without process groups, and src_data_rank=None, so nothing is sent."""
+    """This process's part of the whole CPU tensor `value` of a (DTensor) parameter, cut on the
+    CPU as distribute_tensor cuts it (which would first copy the whole tensor to the
+    parameter's device): on a CPU mesh of the same ranks, without process groups, and
+    src_data_rank=None, so nothing is sent."""
     if not isinstance(param, DTensor):
         return value
     mesh = param.device_mesh
@@ -412,9 +425,10 @@ def whole(tensor):
 
 
 class Parallel:
-    """What the trainer runs: the model split as the layout says, behind one interface for every layout.
-    module: this process's part of the GPT (its state dict is the snapshot's); step(): forward and backward
-    of one micro-batch; loss() and logits(): forward only, for evaluation and the sample at the end."""
+    """What the trainer runs: the model split as the layout says, behind one interface for
+    every layout. module: this process's part of the GPT (its state dict is the snapshot's);
+    step(): forward and backward of one micro-batch; loss() and logits(): forward only, for
+    evaluation and the sample at the end."""
 
     def __init__(self, module, runner, layout, mesh):
         self.module, self.runner, self.layout, self.mesh = module, runner, layout, mesh
@@ -425,11 +439,12 @@ class Parallel:
         self.module.train(mode)
 
     def sync(self, enabled):
-        """A context for backward(): with enabled=False, gradients add up locally without communication
-        (DDP's no_sync); the last micro-batch's backward reduces them. FSDP2 reduce-scatters every
-        micro-batch's gradients all the same (as torchtitan does), so that they stay sharded: 1/dp_shard of
-        the model's at their peak, not a whole float32 copy kept between micro-batches. Only HSDP's
-        all-reduce across the replicas waits for the last micro-batch."""
+        """A context for backward(): with enabled=False, gradients add up locally without
+        communication (DDP's no_sync); the last micro-batch's backward reduces them. FSDP2
+        reduce-scatters every micro-batch's gradients all the same (as torchtitan does), so
+        that they stay sharded: 1/dp_shard of the model's at their peak, not a whole
+        float32 copy kept between micro-batches. Only HSDP's all-reduce across the replicas
+        waits for the last micro-batch."""
         if hasattr(self.module, "set_requires_all_reduce"):  # an FSDP module
             self.module.set_requires_all_reduce(enabled)
         elif isinstance(self.runner, DDP) and not enabled:
@@ -437,8 +452,8 @@ class Parallel:
         return nullcontext()
 
     def loss_context(self):
-        """Under tp the head's logits stay split over the vocabulary: the loss, and its backward, are then
-        computed on the split (torch's loss_parallel)."""
+        """Under tp the head's logits stay split over the vocabulary: the loss, and
+        its backward, are then computed on the split (torch's loss_parallel)."""
         if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -467,8 +482,9 @@ class Parallel:
         return whole(self.module(idx)[:, last : last + 1])
 
     def padded(self, idx):
-        """(idx padded on the right to a multiple of tp, the last real position): sequence parallel splits
-        the positions evenly, and causal attention keeps the padding out of the positions before it."""
+        """(idx padded on the right to a multiple of tp, the last real position): sequence
+        parallel splits the positions evenly, and causal attention keeps the padding out
+        of the positions before it."""
         length = idx.shape[1]
         extra = -length % self.layout.tp
         return torch.cat([idx, idx[:, -1:].expand(-1, extra)], dim=1), length - 1
@@ -478,9 +494,9 @@ class Parallel:
 
 
 def parallelize(model, layout, args, device, param_dtype=None):
-    """The meta-device model split over the layout, materialised: a Parallel (or Pipeline), or in a single
-    process the plain model behind the same interface. Activation checkpointing (--ac) is set on the
-    blocks first, whatever the layout."""
+    """The meta-device model split over the layout, materialised: a Parallel (or Pipeline), or in a
+    single process the plain model behind the same interface. Activation checkpointing (--ac) is
+    set on the blocks first, whatever the layout."""
     apply_ac(model, args.ac, args.ac_every)
     if layout.world == 1:
         if args.compile:
@@ -494,8 +510,8 @@ def parallelize(model, layout, args, device, param_dtype=None):
         apply_tp(model, mesh)
     if args.compile:
         apply_compile(model, args.compile_mode)
-    # replicas beside tp or pp are HSDP's (FSDP2 with dp_shard 1): DDP takes no DTensors, nor a pipeline
-    # schedule's micro-batches
+    # replicas beside tp or pp are HSDP's (FSDP2 with dp_shard 1):
+    # DDP takes no DTensors, nor a pipeline schedule's micro-batches
     sharded = layout.dp_shard > 1 or (layout.dp_replicate > 1 and (layout.tp > 1 or layout.pp > 1))
     if sharded:
         apply_fsdp(model, mesh, param_dtype, reshard_after_forward=layout.pp == 1)
@@ -508,10 +524,12 @@ def parallelize(model, layout, args, device, param_dtype=None):
     return Parallel(model, runner, layout, mesh)
 
 
-# ---- pp: the train step, the loss and the logits ----------------------------------------------------------
+# ---- pp: the train step, the loss and the logits
+# ----------------------------------------------------------
 class Pipeline(Parallel):
-    """The pipeline's Parallel: a torch.distributed.pipelining schedule runs forward and backward over
-    --pp_microbatches micro-batches; activations go between neighbouring stages of mesh["pp"]."""
+    """The pipeline's Parallel: a torch.distributed.pipelining schedule runs forward
+    and backward over --pp_microbatches micro-batches; activations go between
+    neighbouring stages of mesh["pp"]."""
 
     def __init__(self, module, layout, mesh, args, device):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -524,9 +542,9 @@ class Pipeline(Parallel):
         self.device = device
         self.tp_rank = mesh["tp"].get_local_rank()
         stage = PipelineStage(module, self.stage, self.stages, device, group=self.group)
-        # torch's pipeline has no public hook after a micro-batch's backward: this private method is
-        # wrapped, and tests/gpt/test_gpt_layouts.py fails on a torch whose schedule no longer calls it once
-        # per micro-batch
+        # torch's pipeline has no public hook after a micro-batch's backward: this private method
+        # is wrapped, and tests/gpt/test_gpt_layouts.py fails on a torch whose schedule no longer
+        # calls it once per micro-batch
         run_backward = stage.backward_maybe_with_nosync
 
         def backward_then_count(*args, **kwargs):  # memory.MemoryMeter sees each micro-batch's gradients
@@ -536,10 +554,11 @@ class Pipeline(Parallel):
 
         stage.backward_maybe_with_nosync = backward_then_count
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
-        # the last stage's module ends at the final norm: the head and the loss together, in chunks (model.py)
+        # the last stage's module ends at the final norm: the
+        # head and the loss together, in chunks (model.py)
         self.schedule = schedule(stage, args.pp_microbatches, loss_fn=module.head_loss)
-        # the first and the last stage each hold a copy of the token embedding, which is also the head: one
-        # group per such pair (every process creates every group, in the same order)
+        # the first and the last stage each hold a copy of the token embedding, which is also the
+        # head: one group per such pair (every process creates every group, in the same order)
         self.tied = None
         others = itertools.product(*(range(getattr(layout, d)) for d in DATA_DIMS))
         for coords in others:
@@ -553,10 +572,11 @@ class Pipeline(Parallel):
         return nullcontext()  # the schedule's micro-batches are the accumulation
 
     def step(self, x, y, backward):
-        """Forward and backward over the micro-batches; returns the batch's mean loss in every stage."""
+        """Forward and backward over the micro-batches;
+        returns the batch's mean loss in every stage."""
         losses = []
-        # dropout: the processes of one share of the batch draw alike, so each stage draws from a stream of
-        # its own, as one process's successive blocks draw distinct masks
+        # dropout: the processes of one share of the batch draw alike, so each stage draws
+        # from a stream of its own, as one process's successive blocks draw distinct masks
         with own_stream(self.stage, self.device), self.loss_context():
             if self.first:
                 self.schedule.step(x)
@@ -564,13 +584,14 @@ class Pipeline(Parallel):
                 self.schedule.step(target=y, losses=losses, return_outputs=False)
             else:
                 self.schedule.step()
-        # In one process the shared weight's gradient is the sum of its two uses' terms (reading tokens in,
-        # scoring them out). Here each use is on its own stage and each copy got one term: adding the two
-        # copies' gradients gives both the sum one process has, so both take the same optimizer step and
-        # stay equal.
+        # In one process the shared weight's gradient is the sum of its two uses' terms (reading
+        # tokens in, scoring them out). Here each use is on its own stage and each copy got one
+        # term: adding the two copies' gradients gives both the sum one process has, so both take
+        # the same optimizer step and stay equal.
         if self.first or self.last:
             weight = self.module.tok_emb.weight
-            # under tp the first stage's lookup leaves its gradient whole (Replicate): cut as the weight is
+            # under tp the first stage's lookup leaves its
+            # gradient whole (Replicate): cut as the weight is
             if isinstance(weight, DTensor) and weight.grad.placements != weight.placements:
                 weight.grad = weight.grad.redistribute(placements=weight.placements)
             dist.all_reduce(local(weight.grad), group=self.tied)
@@ -579,8 +600,8 @@ class Pipeline(Parallel):
 
     @torch.no_grad()
     def _forward(self, x, shape):
-        """Token ids (first stage) through every stage; the last stage's output (its final norm's), elsewhere
-        None."""
+        """Token ids (first stage) through every stage; the last
+        stage's output (its final norm's), elsewhere None."""
         if not self.first:
             batch, length = shape
             if self.layout.tp > 1:  # sequence parallel: this process's share of the positions, as Shard(1)
@@ -602,7 +623,8 @@ class Pipeline(Parallel):
         return self._from_last(loss, y.device)
 
     def logits(self, idx):
-        """The last position's logits (batch, 1, vocab), sent from the last stage to every stage."""
+        """The last position's logits (batch, 1, vocab),
+        sent from the last stage to every stage."""
         idx, at = self.padded(idx)
         out = self._forward(idx, idx.shape)
         last = torch.empty(idx.shape[0], 1, self.module.cfg.padded_vocab, device=idx.device)
@@ -617,7 +639,8 @@ class Pipeline(Parallel):
         return loss
 
 
-# ---- the gradient norm and the replicas, wherever the parts live -----------------------------------------
+# ---- the gradient norm and the replicas, wherever the
+# parts live -----------------------------------------
 def sharded_dims(tensor):
     """The mesh dimensions a DTensor is split along (FSDP's dp_shard, tp's), by name."""
     if not isinstance(tensor, DTensor):
@@ -627,8 +650,8 @@ def sharded_dims(tensor):
 
 
 def counted_once(parallel):
-    """The parameters whose squares enter the gradient norm here: all, but the last stage's copy of the
-    tied embedding (the first stage counts it)."""
+    """The parameters whose squares enter the gradient norm here: all, but the
+    last stage's copy of the tied embedding (the first stage counts it)."""
     params = [p for p in parallel.module.parameters() if p.grad is not None]
     if isinstance(parallel, Pipeline) and parallel.last and not parallel.first:
         return params, [p for p in params if p is not parallel.module.tok_emb.weight]
@@ -636,10 +659,10 @@ def counted_once(parallel):
 
 
 def clip_grad_norm_(parallel, max_norm):
-    """Gradient clipping over the whole model with torch's own functions, wherever its parts live: the total
-    norm of this process's gradients (a DTensor's norm includes the parts other processes hold along the
-    mesh dimensions it is split over), its square summed over the pipeline's stages, then every gradient
-    scaled by the same factor as in one process."""
+    """Gradient clipping over the whole model with torch's own functions, wherever its parts live:
+    the total norm of this process's gradients (a DTensor's norm includes the parts other processes
+    hold along the mesh dimensions it is split over), its square summed over the pipeline's stages,
+    then every gradient scaled by the same factor as in one process."""
     params, counted = counted_once(parallel)
     norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
     if isinstance(norm, DTensor):
@@ -653,9 +676,10 @@ def clip_grad_norm_(parallel, max_norm):
 
 
 def replica_digests(parallel):
-    """{kind: SHA-256 of this process's parts}, one kind per set of mesh dimensions the parameters are split
-    along; "tied": the embedding copy of a pipeline's first and last stage. Processes that differ only along
-    the other dimensions (those that replicate) must end with the same digest."""
+    """{kind: SHA-256 of this process's parts}, one kind per set of mesh dimensions the
+    parameters are split along; "tied": the embedding copy of a pipeline's first and last
+    stage. Processes that differ only along the other dimensions (those that replicate)
+    must end with the same digest."""
     groups = {}
     for p in parallel.module.parameters():
         groups.setdefault(",".join(sharded_dims(p)), []).append(local(p))
@@ -671,9 +695,10 @@ def replica_digests(parallel):
 
 
 def replica_mismatches(layout, digests):
-    """(compared, mismatches) from every rank's replica_digests, in rank order: for each kind, the ranks
-    that share every coordinate but those of the dimensions replicating it are compared; mismatches names
-    each set of ranks that disagree. Only digests travel: no process gathers another's weights."""
+    """(compared, mismatches) from every rank's replica_digests, in rank order: for each kind,
+    the ranks that share every coordinate but those of the dimensions replicating it are
+    compared; mismatches names each set of ranks that disagree. Only digests travel: no
+    process gathers another's weights."""
     classes = {}
     for rank, kinds in enumerate(digests):
         coords = layout.coords(rank)
@@ -694,9 +719,9 @@ def replica_mismatches(layout, digests):
 
 
 def check_replicas(layout, digests):
-    """Processes that hold copies of the same part (along the dimensions that replicate it) must end with it
-    bit for bit, compared by every rank's replica_digests (nothing gathered): the line to log, or
-    RuntimeError naming the ranks that differ."""
+    """Processes that hold copies of the same part (along the dimensions that replicate it) must
+    end with it bit for bit, compared by every rank's replica_digests (nothing gathered): the line
+    to log, or RuntimeError naming the ranks that differ."""
     compared, mismatches = replica_mismatches(layout, digests)
     if mismatches:
         raise RuntimeError("replicas differ at the end of the run: " + "; ".join(mismatches))

@@ -146,8 +146,9 @@ def corpus_bytes(sources):
 
 
 def fingerprint(sources, kind, vocab_size, dtype):
-    """What decides the output, found without reading the texts: the options, and each input file's path,
-    size and modification time (the standard library's: its folder and the Python version)."""
+    """What decides the output, found without reading the texts: the options, and
+    each input file's path, size and modification time (the standard library's: its
+    folder and the Python version)."""
     if kind not in tok.KINDS:  # a tokenizer file: what it holds
         kind = f"file {given_tokenizer(kind)[1]}"
     parts = [f"format {FORMAT}", kind, str(vocab_size), dtype]
@@ -247,7 +248,8 @@ def prepare(sources, out, kind="bpe", vocab_size=50257, dtype="auto", log=print,
 
 
 def describe(key, tokenizer, spec, dtype, sizes, counts, data_digest):
-    """The manifest: what was read (key), the tokenizer, the shards, and a checksum of their ids."""
+    """The manifest: what was read (key), the tokenizer,
+    the shards, and a checksum of their ids."""
     return {
         "format": FORMAT,
         "input": key,
@@ -268,8 +270,9 @@ def describe(key, tokenizer, spec, dtype, sizes, counts, data_digest):
 
 
 def make_tokenizer(kind, vocab_size, texts, log):
-    """The tokenizer to encode with: trained on texts (an iterable, read once), or a given file's (texts then
-    read through all the same, so that bad input is refused before anything is written)."""
+    """The tokenizer to encode with: trained on texts (an iterable, read once), or a
+    given file's (texts then read through all the same, so that bad input is refused
+    before anything is written)."""
     if kind not in tok.KINDS:
         collections.deque(texts, maxlen=0)
         return given_tokenizer(kind)[0]
@@ -360,9 +363,10 @@ def encode_piece(item):
 
 
 def progress(label, total, items):
-    """items, (text, last) pieces, as they come; on a terminal (stderr) only, tqdm's bar of the total bytes
-    gone through, with the throughput (in a pipe, nothing: disable=None). The terminal's size as shutil finds
-    it, (80, 24) where the terminal says 0 by 0 (a new pty): tqdm would take that as no room to draw."""
+    """items, (text, last) pieces, as they come; on a terminal (stderr) only, tqdm's bar of the
+    total bytes gone through, with the throughput (in a pipe, nothing: disable=None). The
+    terminal's size as shutil finds it, (80, 24) where the terminal says 0 by 0 (a new pty): tqdm
+    would take that as no room to draw."""
     columns, lines = shutil.get_terminal_size()
     bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, disable=None,
                ncols=columns - 1, nrows=lines - 1)  # fmt: skip
@@ -373,7 +377,8 @@ def progress(label, total, items):
 
 
 def unigram_entropy(counts):
-    """Cross-entropy in nats of predicting every token from the tokens' frequencies (counts) alone."""
+    """Cross-entropy in nats of predicting every token
+    from the tokens' frequencies (counts) alone."""
     p = counts[counts > 0] / max(counts.sum(), 1)
     return float(-(p * np.log(p)).sum())
 

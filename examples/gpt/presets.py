@@ -15,8 +15,8 @@ PRESETS = {
         **dict(batch_size=64, lr=1e-3, warmup_steps=100, max_steps=3000),
         **dict(eval_every=250, eval_samples=2048, log_every=10),
     },
-    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024) and its 50257-token byte-level BPE
-    # vocabulary: 124M parameters (85M with --tokenizer char)
+    # GPT-2 small's shape (12 layers, 12 heads, width 768, context 1024) and its
+    # 50257-token byte-level BPE vocabulary: 124M parameters (85M with --tokenizer char)
     "gpt2": {
         **dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, tokenizer="bpe"),
         **dict(batch_size=16, lr=6e-4, warmup_steps=200, max_steps=2000),

@@ -96,7 +96,8 @@ def utf32(text):
 
 
 def digest(text):
-    """The tokenizer's name in manifests and snapshots: the first 16 hex digits of its file's SHA-256."""
+    """The tokenizer's name in manifests and snapshots:
+    the first 16 hex digits of its file's SHA-256."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

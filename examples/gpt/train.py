@@ -10,8 +10,9 @@ layout of pipeline, data-parallel (replicated, sharded) and tensor-parallel proc
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         examples/gpt/train.py --model gpt2 --data /shared/stdlib --snapshot_path /shared/gpt
 
-The folder is self-contained: copy it, it needs torch alone (and `tokenizers` for a BPE tokenizer). Run
-with --help for every option. Text is tokenized into shards first (prepare.py, or here into the cache).
+The folder is self-contained: copy it, it needs torch alone (and `tokenizers` for a BPE
+tokenizer). Run with --help for every option. Text is tokenized into shards first
+(prepare.py, or here into the cache).
 """
 
 import os

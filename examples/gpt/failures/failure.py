@@ -44,7 +44,8 @@ def fail(message, status=1):
 
 
 def say(message):
-    """What record writes to torchrun's error file: this message, and no exception it was handling."""
+    """What record writes to torchrun's error file:
+    this message, and no exception it was handling."""
     raise Failed(message) from None
 
 
@@ -80,10 +81,11 @@ def timed_out(args, rank, world, exc):
 
 
 def leave(status, group_formed=None):
-    """End the process. Once a process group has formed (group_formed; default: one is initialized now),
-    without the interpreter's shutdown: torch keeps the group reachable after destroy_process_group (DDP's
-    reference cycles, DTensor's caches), so its gloo threads would still run while the interpreter shuts
-    down, where a finished run was seen to abort (SIGABRT, exit -6)."""
+    """End the process. Once a process group has formed (group_formed; default: one is
+    initialized now), without the interpreter's shutdown: torch keeps the group reachable
+    after destroy_process_group (DDP's reference cycles, DTensor's caches), so its gloo
+    threads would still run while the interpreter shuts down, where a finished run was seen
+    to abort (SIGABRT, exit -6)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if group_formed or (group_formed is None and torch.distributed.is_initialized()):

@@ -1,10 +1,11 @@
-"""The checks between a step's backward and its optimizer step, kept on the device. The loss, the gradient
-norm and whether a stop was asked for (preempt.py) are all-reduced together, one collective of three
-numbers per step, so every process takes the same decision from the same numbers. An ordinary step reads
-nothing back: a step whose loss or gradients are not finite is skipped by fused AdamW itself (found_inf),
-and fp16's loss scale moves on the device. The host reads the checks of every step since its last read
-at once, on the steps that log, evaluate or save (Checks): there it counts skipped steps, stops a run
-that diverged, and takes the decision to save and stop."""
+"""The checks between a step's backward and its optimizer step, kept on the device. The loss,
+the gradient norm and whether a stop was asked for (preempt.py) are all-reduced together, one
+collective of three numbers per step, so every process takes the same decision from the same
+numbers. An ordinary step reads nothing back: a step whose loss or gradients are not finite
+is skipped by fused AdamW itself (found_inf), and fp16's loss scale moves on the device. The
+host reads the checks of every step since its last read at once, on the steps that log,
+evaluate or save (Checks): there it counts skipped steps, stops a run that diverged, and
+takes the decision to save and stop."""
 
 import math
 
@@ -14,7 +15,8 @@ from parallel import local, whole
 
 
 class Diverged(Exception):
-    """The loss or the gradient norm is no longer finite: the run stops before any snapshot holds it."""
+    """The loss or the gradient norm is no longer finite:
+    the run stops before any snapshot holds it."""
 
 
 def verdict(loss, norm, stop):
@@ -22,7 +24,8 @@ def verdict(loss, norm, stop):
     every process's norm, the number of processes asked to stop). A NaN or an infinity on one
     process reaches every process's sum, so all skip alike."""
     norm = whole(norm).float()  # FSDP's and tp's norm is a DTensor
-    # new_full fills on the device: a tensor made from a host value would wait for the device's queue
+    # new_full fills on the device: a tensor made from
+    # a host value would wait for the device's queue
     shared = torch.stack([loss.float(), norm, loss.new_full((), float(stop))])
     if dist.is_initialized():
         dist.all_reduce(shared)
@@ -37,10 +40,11 @@ def skip(values):
 
 
 class Checks:
-    """The host's side of the checks: the verdicts of the steps it has not read yet, read at once (one
-    transfer) on a step that logs, evaluates or saves. A skipped step is logged and counted against
-    --skip_nonfinite (fp16's overflows are the loss scale's, not counted); past those, Diverged, before the
-    step's update and any save. Keeps the finite losses since the last log line."""
+    """The host's side of the checks: the verdicts of the steps it has not read yet, read at
+    once (one transfer) on a step that logs, evaluates or saves. A skipped step is logged
+    and counted against --skip_nonfinite (fp16's overflows are the loss scale's, not
+    counted); past those, Diverged, before the step's update and any save. Keeps the finite
+    losses since the last log line."""
 
     def __init__(self, skip_nonfinite, scaled, log):
         self.skip_nonfinite, self.scaled, self.log = skip_nonfinite, scaled, log
@@ -50,8 +54,9 @@ class Checks:
         self.pending.append((step, values))
 
     def read(self):
-        """The last step's (gradient norm, loss finite, stop asked), every pending step checked. The norm
-        reported is this process's where every process's is finite, else their non-finite sum."""
+        """The last step's (gradient norm, loss finite, stop asked), every pending
+        step checked. The norm reported is this process's where every process's is
+        finite, else their non-finite sum."""
         rows = torch.stack([values for _, values in self.pending]).tolist()
         for (step, _), (loss, norm, norms, _) in zip(self.pending, rows, strict=True):
             loss_ok, norm_ok = math.isfinite(loss), math.isfinite(norms)

@@ -1,6 +1,7 @@
-"""Which process hangs where. When a collective (or the rendezvous) passes its timeout, every process still
-alive writes its Python stack and its flight-recorder entries to FOLDER/hang/, and tools/why_hung.py
-(`make why-hung RUN=FOLDER`) says which process is in which collective and which wrote nothing.
+"""Which process hangs where. When a collective (or the rendezvous) passes its timeout,
+every process still alive writes its Python stack and its flight-recorder entries to
+FOLDER/hang/, and tools/why_hung.py (`make why-hung RUN=FOLDER`) says which process is in
+which collective and which wrote nothing.
 
     hang.record(folder)                  # before the process group forms: torch records every collective
     dist.init_process_group(...)
@@ -49,7 +50,8 @@ import torch.distributed as dist
 BUFFER = "2000"  # flight-recorder entries kept per process (a ring: the newest ones)
 POLL = 0.5  # seconds between two looks at the store's dump key
 WAIT = 10.0  # seconds that the process which timed out waits for the others' dumps
-# How gloo fails a collective whose connection another process closed, having timed out first (or died)
+# How gloo fails a collective whose connection another
+# process closed, having timed out first (or died)
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "timeout caused pair closure")
 
 
@@ -178,8 +180,9 @@ def _done(store, rank):
 
 
 def dump(folder, rank, world, exc=None, wait=WAIT):
-    """Write this process's stack and flight recorder, ask every armed process to do the same, and wait up
-    to `wait` seconds for them. Returns the ranks that did not answer (stopped, dead, or not armed)."""
+    """Write this process's stack and flight recorder, ask every armed process to do the
+    same, and wait up to `wait` seconds for them. Returns the ranks that did not answer
+    (stopped, dead, or not armed)."""
     store, stop = _armed.get("store"), _armed.get("stop")
     if stop is not None:
         stop.set()
@@ -224,7 +227,8 @@ def is_library(filename):
 
 
 def _call(exc):
-    """FILE:LINE in FUNCTION -> OP: the program's last line in exc's traceback and what it called there."""
+    """FILE:LINE in FUNCTION -> OP: the program's last
+    line in exc's traceback and what it called there."""
     frames = traceback.extract_tb(exc.__traceback__)
     ours = [i for i, frame in enumerate(frames) if not is_library(frame.filename)]
     if not ours:

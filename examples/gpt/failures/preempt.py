@@ -1,8 +1,9 @@
-"""SIGTERM, what Slurm (scancel, preemption, --signal) and Kubernetes (eviction, deletion) send before
-SIGKILL, and SIGINT, Ctrl-C; torchrun forwards both to its workers. The handler only notes it. Every step's
-checks carry the note to every process (guards.verdict); at the next step that reads them (a log,
-evaluation or save step: within --log_every steps) the trainer saves that step's starting state and exits,
-so a resumed run goes on as if never stopped. A second Ctrl-C stops at once, unsaved."""
+"""SIGTERM, what Slurm (scancel, preemption, --signal) and Kubernetes (eviction, deletion) send
+before SIGKILL, and SIGINT, Ctrl-C; torchrun forwards both to its workers. The handler only
+notes it. Every step's checks carry the note to every process (guards.verdict); at the next step
+that reads them (a log, evaluation or save step: within --log_every steps) the trainer saves
+that step's starting state and exits, so a resumed run goes on as if never stopped. A second
+Ctrl-C stops at once, unsaved."""
 
 import os
 import signal
@@ -29,6 +30,7 @@ class StopRequest:
         return self.name is not None
 
     def said(self, step, path):
-        """The last line once saved: which stop (another process's, when this one got none) and where."""
+        """The last line once saved: which stop (another
+        process's, when this one got none) and where."""
         why = self.name or "a signal to another process"
         return f"stopped by {why} before step {step}, saved in {path}: the same command resumes"

@@ -26,7 +26,8 @@ def nbytes(tensors):
 
 
 def optimizers(optimizer):
-    """The optimizer and any it wraps: ZeroRedundancyOptimizer keeps its shard's state in an inner one."""
+    """The optimizer and any it wraps: ZeroRedundancyOptimizer
+    keeps its shard's state in an inner one."""
     inner = [v for v in vars(optimizer).values() if isinstance(v, torch.optim.Optimizer)]
     return [optimizer, *inner]
 
@@ -73,7 +74,8 @@ class MemoryMeter:
         self.grads_bytes = max(self.grads_bytes, nbytes(held))
 
     def report(self, device):
-        """Bytes held by this process now, and its peak: the device's allocator on a GPU, else peak RSS."""
+        """Bytes held by this process now, and its peak:
+        the device's allocator on a GPU, else peak RSS."""
         params = {id(p): local(p) for p in self.parameters()}
         state = [t for opt in optimizers(self.optimizer) for s in opt.state.values() for t in s.values()]
         if device.type == "cuda":

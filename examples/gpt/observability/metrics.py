@@ -146,7 +146,8 @@ def peak_flops(args, device):
 
 
 def opening(t):
-    """The run's first line: trainer t's model, data, processes, precision, attention kernel and layout."""
+    """The run's first line: trainer t's model, data,
+    processes, precision, attention kernel and layout."""
     a, params, dtype = t.args, t.params / 1e6, str(t.dtype).removeprefix("torch.")
     tokens = f"{t.corpus.tokenizer.kind} tokenizer" if t.corpus.tokenizer else "no tokenizer"
     kernel = attention_kernel(t.raw.cfg, t.device, t.dtype, t.raw.cfg.dropout)

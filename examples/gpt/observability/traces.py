@@ -68,8 +68,9 @@ def is_compute(event, gpu):
 
 
 def breakdown(trace):
-    """{compute, collectives, overlapped}: milliseconds covered by compute spans, by collective spans, and
-    by both at once, in a trace in Chrome's format (spans of one kind on several threads count once)."""
+    """{compute, collectives, overlapped}: milliseconds covered by compute spans, by
+    collective spans, and by both at once, in a trace in Chrome's format (spans of one kind on
+    several threads count once)."""
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     gpu = any(e.get("cat") == "kernel" for e in spans)
     compute = union([(e["ts"], e["ts"] + e["dur"]) for e in spans if is_compute(e, gpu)])

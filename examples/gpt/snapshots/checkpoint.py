@@ -30,8 +30,9 @@ class SnapshotError(Exception):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file beside path, fsync, then rename over path: a reader, or a crash at
-    any moment, sees the old file or all of the new one. The package's one way to write a file."""
+    """write(file) into a temporary file beside path, fsync, then rename over path: a
+    reader, or a crash at any moment, sees the old file or all of the new one. The
+    package's one way to write a file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     try:
@@ -86,7 +87,8 @@ def load_file(path, expected):
     return state
 
 
-# ---- snapshot directories --------------------------------------------------------------------------------
+# ---- snapshot directories
+# --------------------------------------------------------------------------------
 POINTER = "latest"
 STEP_DIR = re.compile(r"^step-\d{8}-[0-9a-f]+$")
 
@@ -124,7 +126,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def inside(folder, name, what):
-    """folder/name, refused when it is absolute or leads out of folder, by ../ or by symbolic links."""
+    """folder/name, refused when it is absolute or leads
+    out of folder, by ../ or by symbolic links."""
     root = os.path.realpath(folder)
     target = os.path.realpath(os.path.join(root, name))
     if not name or os.path.isabs(name) or target == root or os.path.commonpath([root, target]) != root:
@@ -136,8 +139,9 @@ def inside(folder, name, what):
 
 
 def read_metadata(step_dir):
-    """DCP's index of a step directory, unpickled through the allowlist; every file it names must lie
-    inside step_dir (DCP would join an absolute or ../ path to the folder and open whatever it names)."""
+    """DCP's index of a step directory, unpickled through the allowlist; every file it
+    names must lie inside step_dir (DCP would join an absolute or ../ path to the folder
+    and open whatever it names)."""
     with open(inside(step_dir, ".metadata", "its index"), "rb") as f:
         metadata = MetadataUnpickler(f).load()
     for info in (getattr(metadata, "storage_data", None) or {}).values():
@@ -176,7 +180,8 @@ def planner():
 
 @contextmanager
 def no_single_process_warning():
-    """DCP warns when it runs without a process group; here one process (or export.py) is the intent."""
+    """DCP warns when it runs without a process group;
+    here one process (or export.py) is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
         yield
@@ -260,7 +265,8 @@ def write(path, name, state, extra, distributed, leader=0, keep=1):
     fsync_dir(target)
     atomic_write(path / POINTER, lambda f: f.write(f"{name}\n".encode()))
     fsync_dir(path)
-    # the keep - 1 newest others that were completed (extra.pt is written last) stay beside this one
+    # the keep - 1 newest others that were completed
+    # (extra.pt is written last) stay beside this one
     others = [d for d in path.iterdir() if STEP_DIR.match(d.name) and d.is_dir() and not d.is_symlink()]
     complete = sorted(d for d in others if d.name != name and (d / "extra.pt").is_file())
     for old in set(others) - {target, *complete[max(0, len(complete) - keep + 1) :]}:

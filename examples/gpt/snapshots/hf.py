@@ -145,6 +145,7 @@ def load_into(folder, model):
                 value = value.T
             if ".attn.qkv." in name:
                 value = regroup(value, cfg.n_head, False)
-            # the vocabulary's rows (ours has padding rows after them); the first block_size positions
+            # the vocabulary's rows (ours has padding rows
+            # after them); the first block_size positions
             rows = min(len(value), len(params[name]))
             params[name][:rows].copy_(value[:rows])

@@ -1,5 +1,6 @@
-"""The trainer's state into and out of a snapshot (checkpoint.py writes and reads the files): what a resumed
-run needs besides the weights and the optimizer state, and what it says when it changes the schedule."""
+"""The trainer's state into and out of a snapshot (checkpoint.py writes and reads the
+files): what a resumed run needs besides the weights and the optimizer state, and what it
+says when it changes the schedule."""
 
 from dataclasses import asdict, replace
 
@@ -12,7 +13,8 @@ from snapshots import checkpoint, hf
 
 # The Config fields that make the model's shape (GPTConfig's, but its vocabulary: the corpus's)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "activation")
-# The run's learning-rate schedule and length, kept in snapshots: a resumed run says what it changes.
+# The run's learning-rate schedule and length, kept
+# in snapshots: a resumed run says what it changes.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_steps", "max_steps", "weight_decay")
 
 
@@ -22,8 +24,9 @@ def rng_state(device):
 
 
 def save(trainer, rng):
-    """A collective: every process writes its parts, the leader the rest (checkpoint.save), with the
-    random states `rng` taken at the start of step trainer.step. The data position is the step itself."""
+    """A collective: every process writes its parts, the leader the rest
+    (checkpoint.save), with the random states `rng` taken at the start of step
+    trainer.step. The data position is the step itself."""
     t, a = trainer, trainer.args
     extra = {
         "config": snapshot_config(a, t.corpus),
@@ -86,7 +89,8 @@ def model_config(args, vocab_size):
 
 
 def snapshot_config(args, corpus):
-    """What must match for a snapshot to load into this run: the model's shape and its tokenizer."""
+    """What must match for a snapshot to load into
+    this run: the model's shape and its tokenizer."""
     cfg = asdict(model_config(args, corpus.vocab_size))
     del cfg["dropout"]  # may change between runs
     cfg["tokenizer_sha256"] = corpus.digest
