@@ -32,7 +32,8 @@ PY := $(VENV)/bin/python
 # one thread a process unless set: torchrun's own default, said here so that its 4-line banner does not print
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run
 ENV := $(VENV)/.installed
-TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot.pt $(ARGS)
+SNAPSHOT = snapshot.pt
+TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/$(SNAPSHOT) $(ARGS)
 # $(call step,EXAMPLE): start a step as harness/steps.py builds it (the tests and the bench use it too);
 # not echoed: steps.py prints the command it runs, the one to copy
 step = @mkdir -p $(RUNS)/$@ && $(PYTHON3) harness/steps.py $(1) --nproc $(NPROC) --gpus $(GPUS) \
@@ -149,7 +150,7 @@ recipe: $(ENV) ## after step 3, the script to copy: digits, validation, bf16, --
 	$(call step,recipe)
 
 # the same under accelerate launch, its one-node config, NPROC processes (the snapshot: a folder)
-recipe-accelerate: TRAIN_ARGS = $(EPOCHS) $(SAVE_EVERY) --snapshot_path $(RUNS)/$@/snapshot $(ARGS)
+recipe-accelerate: SNAPSHOT = snapshot
 recipe-accelerate: $(ENV) ## recipe.py in Accelerate's idiom, started by accelerate launch
 	$(call step,recipe_accelerate)
 
