@@ -110,8 +110,11 @@ def test_the_slow_process_is_named_with_its_host_at_every_log_line(slowed):
 
 
 def test_each_process_writes_a_trace_and_prints_its_breakdown(slowed):
-    """Each process writes a trace with its collectives and prints its breakdown."""
+    """Each process writes a trace with its collectives and prints its breakdown, and the profiler's
+    engine says nothing (its start and stop lines, written in two parts, split other processes' lines).
+    Mutation: KINETO_LOG_LEVEL 5 -> fails."""
     folder, out, _ = slowed
+    assert "profiler_start" not in out and "profiler_stop" not in out, out[-3000:]
     for rank in (0, 1):
         trace = json.loads((folder / "traces" / f"rank{rank}.json").read_text())  # Chrome's format
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}

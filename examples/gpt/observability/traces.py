@@ -9,9 +9,10 @@ import os
 
 from torch.profiler import ProfilerActivity, profile
 
-# kineto, the profiler's engine, logs at its start and stop, and on a machine without GPUs an ERROR
-# line that is not one
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# kineto, the profiler's engine, logs at its start and stop (level 5, USDT: written in two parts to
+# stderr, so another process's line can land inside it), and on a machine without GPUs an ERROR line
+# that is not one: 6 silences them all
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 class StepProfiler:
