@@ -1,7 +1,6 @@
 """The sizes a run starts from (--model): a model shape and the training settings that suit it. Any
 option given on the command line overrides a preset's value; add a size here to name it."""
 
-# Model shape and the training settings that suit it.
 PRESETS = {
     # about 0.8M parameters: a few thousand steps of this learn Python's look on two CPU cores
     "cpu": {
