@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import sysconfig
 import time
@@ -348,6 +349,11 @@ WORKER = {}  # a worker process's tokenizer
 
 
 def start_worker(spec):
+    # the pool ends its workers with SIGTERM: it must kill them, also where the parent notes SIGTERM
+    # (the trainer's preempt.StopRequest, inherited in the fork: a worker waiting on the pool's lock
+    # then waited forever, and so did the parent); Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     WORKER["tokenizer"] = tok.from_str(spec, "the tokenizer being prepared")
 

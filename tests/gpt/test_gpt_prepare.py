@@ -167,6 +167,17 @@ def test_a_file_read_in_pieces_encodes_as_the_whole_file(monkeypatch):
     assert torch.equal(ids, whole.encode(text))
 
 
+def test_the_encoding_pool_ends_where_sigterm_is_only_noted():
+    """prepare's worker processes end when their pool ends, also in a process whose SIGTERM handler only
+    notes the signal (the trainer's): forked, they inherited it, and a worker waiting on the pool's lock
+    outlived the pool's SIGTERM, so the pool waited for it forever (a CI run's layout matrix, preparing
+    its corpus after its StopRequest, hung so). 50 rounds, each bounded by 30 s. Mutation: the workers
+    keep the inherited handler -> a round hangs in the pool's join, and the test fails (measured: 2 runs of
+    100 rounds both hung, as did this test once; with the fix 3 runs of 100 rounds ended)."""
+    proc = run([PYTHON, PROGRAMS / "pool_stop.py", 50, 30], timeout=240, check=False, env=GPT_ON_PATH)
+    assert proc.returncode == 0 and "every pool ended, 50 rounds" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):
     """prepare.py streams: its peak RSS (one process, --workers 1: reading, training the BPE, encoding,
     writing) with 12 MB of text (the standard library's source) stays within 1.2x of its peak with the
