@@ -310,8 +310,8 @@ LOAD ?=
 LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
 # JOBS=N: test files run N at a time (pytest-xdist), each file whole on one worker; JOBS=0: one process
 JOBS ?= 2
-# whole files to each worker, in the order tests/conftest.py gives them (the longest first)
-PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
+# whole files to each worker (each test of a file marked spread), the costliest first (tests/costs.py)
+PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 test: $(ENV) ## run the test suite (about 75 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 

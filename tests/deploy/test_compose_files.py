@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO, need, run
+from helpers import PYTHON, REPO, need, run
 
 COMPOSE_DIR = REPO / "compose"
 

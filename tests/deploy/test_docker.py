@@ -11,17 +11,20 @@ beside another suite's run, where the by-hand test it replaced took 7 min), with
 image build adds about 8 min).
 """
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import (
     EPOCH_RE,
     REPO,
     RUN_ID,
@@ -69,12 +72,16 @@ def image(compose):
     """The project image, built on a base made offline by docker/build-base.sh (no registry needed)."""
     need(docker_daemon(), "no reachable Docker daemon (docker/start-daemon.sh starts one)", "REQUIRE_DOCKER")
     start = time.monotonic()
+    with open(Path(tempfile.gettempdir()) / "ddp-image-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # .ci/run's build of the same images, if one runs, has ended
+    waited = time.monotonic()
     run([REPO / "docker" / "build-base.sh", BASE_IMAGE], timeout=900)
     based = time.monotonic()
     run(["docker", "build", "-q", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t", IMAGE, REPO], timeout=1800)
     size = run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE], timeout=60).stdout.strip()
     print(
-        f"base image {based - start:.0f} s, project image {time.monotonic() - based:.0f} s, "
+        f"waited {waited - start:.0f} s for .ci/run's build, base image {based - waited:.0f} s, "
+        f"project image {time.monotonic() - based:.0f} s, "
         f"{int(size) / 1e9:.2f} GB"
     )
     yield IMAGE

@@ -10,7 +10,7 @@ from pathlib import Path
 import k8s_check
 import pytest
 import yaml
-from conftest import REPO, need
+from helpers import REPO, need
 
 K8S = REPO / "k8s"
 BASES = ("trainjob", "gpt", "job")  # each also with GPUs: k8s/BASE-gpu

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     EXAMPLES,
     PYTHON,
     REPO,

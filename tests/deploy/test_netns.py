@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import (
+from helpers import (
     PYTHON,
     REPO,
     RUN_ID,

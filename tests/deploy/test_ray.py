@@ -12,7 +12,7 @@ import tempfile
 import psutil
 import pytest
 import torch
-from conftest import (
+from helpers import (
     EXAMPLES,
     PYTHON,
     RAY_PREFIX_RE,

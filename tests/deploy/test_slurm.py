@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TrainLog, need, run
+from helpers import PYTHON, REPO, TrainLog, need, run
 
 JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
 CLUSTER = REPO / "harness" / "slurm_cluster.sh"

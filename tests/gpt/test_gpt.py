@@ -17,7 +17,8 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import (
+from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
+from helpers import (
     EXAMPLES,
     GPT_ON_PATH,
     GPU_ENV,
@@ -29,9 +30,9 @@ from conftest import (
     import_gpt_module,
     needs_gpu,
     run,
+    session_dir,
     start_torchrun_agent,
 )
-from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
@@ -41,10 +42,11 @@ TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_s
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One corpus cache for the file: the standard library corpus is built once."""
-    return tmp_path_factory.mktemp("gpt-cache")
+@pytest.fixture(scope="session")
+def cache():
+    """One corpus cache for the session, shared by the workers: the standard library corpus is built once,
+    by the first process that needs it, while the others wait on the trainer's own lock (data.file_lock)."""
+    return session_dir("gpt-cache")
 
 
 def train(cwd, cache, *args, nproc=None, timeout=600, check=True, env=None):

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import PYTHON, import_gpt_module, run
+from helpers import PYTHON, import_gpt_module, run
 from test_gpt import TRAIN, cache, saved, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py

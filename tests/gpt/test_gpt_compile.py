@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import import_gpt_module
+from helpers import import_gpt_module
 from test_gpt import cache, max_diff, saved, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py

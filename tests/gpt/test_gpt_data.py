@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     REPO,
     free_port,
     import_gpt_module,

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from conftest import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
+from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
 from test_gpt import assert_close, cache, max_diff, saved  # noqa: F401  (cache: a fixture)
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
@@ -78,7 +78,17 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
             apart = gap(mine["model"], ref["model"])
             print(f"{name}: {apart:.2g} from one process's bf16 run, which is {scale:.2g} from fp32's")
             assert apart < BF16_SHARE * scale, (name, apart, scale)
-    # every shape of this world size trained, each pipeline one with every schedule
+    # every shape of this world size trained, each pipeline one with every schedule, and the composition
+    # of pipeline and tensor parallel among them (4: pp2xtp2; 8: with a data-parallel dimension too)
     shapes = {name.split("-")[0] for name in trained}
     assert len(shapes) == {4: 10, 8: 4}[world], sorted(shapes)
-    assert any(name.startswith("pp2xtp2-") for name in trained) or world == 8
+    schedules = {}
+    for name in trained:
+        shape, *parts = name.split("-")
+        if "pp" in shape:
+            schedules.setdefault(shape, set()).add(parts[0])
+    assert len({frozenset(s) for s in schedules.values()}) == 1 and len(next(iter(schedules.values()))) > 1
+    composed = {
+        shape for shape in schedules if "tp" in shape and len(shape.split("x")) == {4: 2, 8: 3}[world]
+    }
+    assert composed, sorted(shapes)

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from conftest import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
 from test_gpt import cache, max_diff, saved, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from conftest import (
+from helpers import (
     PROGRAMS,
     PYTHON,
     REPO,

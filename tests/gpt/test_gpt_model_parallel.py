@@ -12,7 +12,7 @@ import shutil
 import pytest
 import test_gpt_sharding as sharding
 import torch
-from conftest import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
+from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
 from test_gpt import (  # noqa: F401  (cache: a fixture)
     TRAIN,
     VAL_RE,

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import GPT_ON_PATH, PROGRAMS, TORCHRUN, import_gpt_module, run
+from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, import_gpt_module, run
 from test_gpt import TINY, TRAIN, cache
 from torch.distributed import checkpoint as dcp
 

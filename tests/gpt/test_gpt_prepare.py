@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (
+from helpers import (
     GPT_ON_PATH,
     PROGRAMS,
     PYTHON,

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, TORCHRUN, free_port, run
+from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, TORCHRUN, free_port, run
 from test_gpt import (
     GPT,
     TINY,

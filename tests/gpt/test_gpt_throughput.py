@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import PYTHON, REPO, import_gpt_module, run
+from helpers import PYTHON, REPO, import_gpt_module, run
 from test_gpt import BENCH_GPT, cache, train
 
 __all__ = ["cache"]  # the corpus cache fixture of test_gpt.py

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import EXAMPLES, PYTHON, TrainLog, example_cmd, run
+from helpers import EXAMPLES, PYTHON, TrainLog, example_cmd, run
 
 CASES = [
     (["0", "1"], "total_epochs must be positive"),

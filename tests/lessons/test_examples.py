@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     EXAMPLES,
     EXIT_PROBE,
     PYTHON,

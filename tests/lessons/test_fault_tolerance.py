@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import (
+from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
+from helpers import (
     CPU_ENV,
     EXAMPLES,
     GPU_ENV,
@@ -40,7 +41,6 @@ from conftest import (
     run,
     start_torchrun_agent,
 )
-from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
 
 # Long enough epochs (about a second each) that a kill lands in the middle of one.
 # Momentum: the optimizer has a state of its own, which a resumed run must get back.

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import EXAMPLES, SITES, bound, example_cmd, kill_group, load_snapshot, popen, run
+from helpers import EXAMPLES, SITES, bound, example_cmd, kill_group, load_snapshot, popen, run
 from safetensors.torch import load_file
 
 RECIPE = EXAMPLES / "recipe.py"

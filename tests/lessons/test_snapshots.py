@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from conftest import SITES, example_cmd, load_snapshot, run
+from helpers import SITES, example_cmd, load_snapshot, run
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import EXAMPLES, REPO, free_port, run
+from helpers import EXAMPLES, REPO, free_port, run
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LESSON = str(EXAMPLES / "multigpu_torchft.py")

@@ -1,6 +1,6 @@
 """The vision workload: ResNet-18 on synthetic images."""
 
-from conftest import EXAMPLES, PYTHON, TORCHRUN, TrainLog, example_cmd, load_snapshot, run
+from helpers import EXAMPLES, PYTHON, TORCHRUN, TrainLog, example_cmd, load_snapshot, run
 
 TINY = ["--batch_size", "4", "--momentum", "0.9"]
 

@@ -15,7 +15,7 @@ import re
 import lessons as bench  # benchmarks/lessons.py (conftest puts benchmarks/ on sys.path)
 import link  # benchmarks/link.py
 import pytest
-from conftest import PYTHON, REPO, run
+from helpers import PYTHON, REPO, run
 
 # What the quick report has on a machine without GPUs: every variant, and every ratio both sides of which ran.
 VARIANTS = ["plain", "tutorial", "tutorial_mse", "ddp_ws1", "spawn", "torchrun", "accelerate", "two_nodes"]

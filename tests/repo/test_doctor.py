@@ -3,7 +3,7 @@
 import socket
 from datetime import timedelta
 
-from conftest import REPO, VENV, doc_block, run
+from helpers import REPO, VENV, doc_block, run
 from torch.distributed import TCPStore
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     EXAMPLES,
     GPU_ENV,
     GPUS,

@@ -6,7 +6,7 @@ selection of the CPU tests with it first on PATH. Budget: a few seconds."""
 import os
 import re
 
-from conftest import CPU_ENV, REPO, VENV, run
+from helpers import CPU_ENV, REPO, VENV, run
 
 FAKE = REPO / "tests" / "fake_gpus"
 

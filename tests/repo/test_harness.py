@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from conftest import PYTHON, REPO, SESSION_VAR, free_port, run
+from helpers import PYTHON, REPO, SESSION_VAR, free_port, run
 
 # a shell that starts two grandchildren, writes their process ids, and waits for them
 TREE = 'sleep 300 & echo $! >> "$0"; sleep 300 & echo $! >> "$0"; wait'

@@ -8,7 +8,7 @@ import re
 import subprocess
 import tomllib
 
-from conftest import REPO
+from helpers import REPO
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -64,7 +64,7 @@ def test_each_group_of_pyproject_has_its_pins_file_of_exact_hashed_pins():
             assert hashes, f"pins/{group}.txt: {pin} has no hash"
 
 
-def test_each_pins_file_pins_its_groups_requirements_at_versions_they_allow():
+def test_each_pins_file_pins_its_requirements_at_allowed_versions():
     """Mutations: torch==2.13.0 in pyproject.toml changed to 2.12.0 (pins/runtime.txt no longer fits it);
     tqdm taken out of pins/runtime.txt."""
     for group, requirements in groups().items():

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import PYTHON, REPO, run
+from helpers import PYTHON, REPO, run
 
 # pytest-timeout's bound above the report's own 1200 s (the first test to use the report runs it)
 pytestmark = pytest.mark.timeout(1260)
@@ -52,8 +52,9 @@ def test_broken_fails_in_bound_naming_its_cause_and_fixed_succeeds(report, name)
     proc, results = report
     result, (cause, seen) = results[name], EXPECTED[name]
     broken, fixed = result["broken"], result["fixed"]
-    assert broken["code"] not in (0, None), broken  # None: still running after demos/pitfalls.py's 120 s
-    assert broken["seconds"] < 120 and broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
+    # within its bound: None is a run demos/pitfalls.py killed, still running at its 120 s
+    assert broken["code"] not in (0, None), broken
+    assert broken["lines"][-1].startswith(f"cause: {cause}"), broken["lines"][-5:]
     assert any(seen in line for line in broken["lines"]), broken["lines"][-10:]
     shown = proc.stdout.split(f"{name} ", 1)[1].splitlines()[0]
     assert proc.stdout.startswith("Each pitfall runs broken") and "| reproduced in " in shown, shown

@@ -1,7 +1,7 @@
 """The commands the README shows work as written."""
 
 import pytest
-from conftest import EPOCH_RE, REPO, VENV, TrainLog, doc_block, free_port, run
+from helpers import EPOCH_RE, REPO, VENV, TrainLog, doc_block, free_port, run
 
 MARKER = "<!-- tests/repo/test_readme.py runs every command in the next block"
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import EXAMPLES, TORCHRUN_LESSONS
+from helpers import EXAMPLES, TORCHRUN_LESSONS
 
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import why_hung as report_tool  # tools/why_hung.py
-from conftest import (
+from helpers import (
     GPT_ON_PATH,
     GPU_ENV,
     GPUS,

@@ -1,0 +1,101 @@
+"""What each test costs, and the order in which the workers take the tests (a pytest plugin of conftest.py).
+
+Each test's wall seconds (setup, call and teardown) and the CPU seconds of the processes it started and
+waited for (its children: torchrun and its workers, make, Docker's client; not what runs inside a container)
+reach the session that started the workers; `make test` ends with the 30 costliest tests and the total of
+each file. Tests go to the workers in groups, a file each unless the file is marked `spread` (each of its
+tests a group of its own, so that both workers carry it); the costliest groups first, by tests/costs.json,
+the record of a whole run's group totals. `RECORD_COSTS=1 make test` rewrites the record from the run."""
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import pytest
+
+RECORD = Path(__file__).with_name("costs.json")
+_costs = {}  # test id -> [wall seconds, children's CPU seconds]
+
+
+def children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def group(item):
+    """The unit of work a worker takes: the test's file (relative to tests/), or the test under `spread`."""
+    tests = Path(__file__).parent
+    file = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else item.path.name
+    return f"{file}::{item.name}" if item.get_closest_marker("spread") else file
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "spread: the file's tests go to the workers one by one")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist appends the group to each test's id
+def pytest_collection_modifyitems(items):
+    """Costliest group first (a group the record lacks comes last); each file keeps its own order."""
+    recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: -recorded.get(group(item), 0))
+
+
+_start_key = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_start_key] = children_cpu()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and _start_key in item.stash:
+        cpu = children_cpu() - item.stash[_start_key]
+        outcome.get_result().user_properties += [("children_cpu", cpu), ("group", group(item))]
+
+
+def pytest_runtest_logreport(report):
+    """In the session that started the workers (or the only one): every phase's report of every test."""
+    cost = _costs.setdefault(report.nodeid.split("@")[0], [0.0, 0.0, None])
+    properties = dict(report.user_properties)
+    cost[0] += report.duration
+    cost[1] += properties.get("children_cpu", 0.0)
+    cost[2] = properties.get("group", cost[2])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput") or not _costs:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("the 30 costliest tests: wall seconds, then the CPU seconds of the processes each started")
+    for test, (wall, cpu, _) in sorted(_costs.items(), key=lambda c: -c[1][0])[:30]:
+        write(f"{wall:8.1f} {cpu:8.1f}  {test}")
+    files = {}
+    for test, (wall, cpu, _) in _costs.items():
+        total = files.setdefault(test.split("::")[0], [0.0, 0.0, 0])
+        total[0] += wall
+        total[1] += cpu
+        total[2] += 1
+    write("each file: wall seconds, CPU seconds of its processes, tests")
+    for file, (wall, cpu, count) in sorted(files.items(), key=lambda f: -f[1][0]):
+        write(f"{wall:8.1f} {cpu:8.1f} {count:4d}  {file}")
+    write(f"{sum(f[0] for f in files.values()):8.1f} {sum(f[1] for f in files.values()):8.1f}  in all")
+    if os.environ.get("RECORD_COSTS") == "1":
+        record()
+
+
+def record():
+    """tests/costs.json: each group's wall seconds in this run; groups that did not run keep theirs."""
+    recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    groups = {}
+    for wall, _, name in _costs.values():
+        if name is not None:
+            groups[name] = groups.get(name, 0.0) + wall
+    recorded.update({name: round(wall, 1) for name, wall in groups.items()})
+    RECORD.write_text(json.dumps(dict(sorted(recorded.items(), key=lambda g: -g[1])), indent=1) + "\n")
