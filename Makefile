@@ -46,7 +46,7 @@ SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
 .PHONY: bench bench-allreduce
-.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray recipe recipe-accelerate diff doctor fault-demo torchft pitfalls gpu-check test test-quick lint k8s-check pins clean distclean
+.PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray recipe recipe-accelerate diff doctor fault-demo torchft pitfalls gpu-check test test-quick test-fast lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
 # make image [BASE_IMAGE=...]          build $(IMAGE); without a registry: make base-image first, then
@@ -99,7 +99,7 @@ HELP_GROUPS := Lessons: env single_gpu multigpu dataparallel torchrun multinode 
   recipe recipe-accelerate diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
   two-node-cpu two-node-accelerate two-node-down two-node-failover two-node-torchft Engines: slurm-cluster \
   slurm-submit slurm-status slurm-down k8s-check Diagnostics: doctor pitfalls why-hung fault-demo \
-  Benchmarks: bench bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick lint \
+  Benchmarks: bench bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick test-fast lint \
   pins clean distclean help
 HELP_AWK := BEGIN { n = split(groups, w, " "); for (i = 1; i <= n; i++) if (w[i] ~ /:$$/) { g = w[i]; \
   gsub("_", " ", g); order[++k] = g } else { of[w[i]] = g; rank[w[i]] = i } } \
@@ -315,9 +315,12 @@ PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 test: $(ENV) ## run the test suite (about 75 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
-QUICK_TESTS = tests/repo/test_structure.py tests/repo/test_readme.py tests/lessons/test_examples.py
-test-quick: $(ENV) ## the lessons' tests and the README's commands only (5 min on 2 cores beside a CI run)
-	$(LOADED) $(PYTEST) $(QUICK_TESTS) $(TEST_ARGS)
+# the tiers, by marker (pyproject.toml): CI runs everything
+test-quick: $(ENV) ## the tests marked quick: the lessons and the README's commands (about 5 min on 2 cores)
+	$(LOADED) $(PYTEST) -m quick $(TEST_ARGS)
+
+test-fast: $(ENV) ## all but the Docker, Slurm and demo tests (about 15 min on 2 cores)
+	$(LOADED) $(PYTEST) -m "not docker and not slurm and not demo" $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
 	$(VENV)/bin/ruff check .

@@ -85,10 +85,9 @@ def assert_world(text, per_host):
 
 
 # The GPUs this test run may use. Commands run on the CPU unless a test passes env=GPU_ENV; the tests that
-# do are marked needs_gpu and skipped where torch sees no GPU, as in CI.
+# do are marked gpu and skipped where torch sees no GPU, as in CI (tests/conftest.py).
 GPUS = torch.cuda.device_count()
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
-needs_gpu = pytest.mark.skipif(not GPUS, reason="no CUDA GPU visible to torch")
 # The one way a CPU test hides the GPUs, whatever the machine has: torch, the lessons, harness/steps.py and
 # the Makefile (its GPUS counts the devices CUDA_VISIBLE_DEVICES names when it is set) all honour it.
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}

@@ -46,6 +46,8 @@ from test_compose_files import (
     resolved,
 )
 
+pytestmark = [pytest.mark.docker, pytest.mark.spread]
+
 __all__ = ["compose"]  # the Compose client fixture of test_compose_files.py
 
 # This run's tags (two runs on one machine must not retag each other's images); at the end of the session

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import PYTHON, REPO, TrainLog, need, run
 
+pytestmark = pytest.mark.slurm
+
 JOB_SCRIPT = REPO / "examples" / "slurm" / "sbatch_run.sh"
 CLUSTER = REPO / "harness" / "slurm_cluster.sh"
 NODES = 2

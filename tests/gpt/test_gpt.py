@@ -28,7 +28,6 @@ from helpers import (
     REPO,
     TORCHRUN,
     import_gpt_module,
-    needs_gpu,
     run,
     session_dir,
     start_torchrun_agent,
@@ -331,7 +330,7 @@ def test_compiled_model_trains_like_eager_and_resumes_eagerly(tmp_path, cache):
     assert "resuming from gpt_snapshot at step 6" in resumed.stdout, resumed.stdout[-2000:]
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
     args = ["--max_steps", 20, "--batch_size", 8, "--metrics_path", "m.jsonl", "--peak_tflops", 100]
     proc = train(tmp_path, cache, *args, nproc=min(2, GPUS), env=GPU_ENV)

@@ -11,6 +11,8 @@ import sys
 import pytest
 from helpers import EXAMPLES, PYTHON, TrainLog, example_cmd, run
 
+pytestmark = pytest.mark.quick
+
 CASES = [
     (["0", "1"], "total_epochs must be positive"),
     (["1", "0"], "save_every must be positive"),

@@ -34,6 +34,8 @@ from helpers import (
     steps,
 )
 
+pytestmark = pytest.mark.quick
+
 # Per-process batch size and world size of the DDP runs; single_gpu (the session's reference run, shared
 # with tests/deploy/test_ray.py) gets their product as its batch.
 BATCH, NPROC = 32, 2

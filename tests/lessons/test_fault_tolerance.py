@@ -36,7 +36,6 @@ from helpers import (
     free_port,
     kill_group,
     load_snapshot,
-    needs_gpu,
     popen,
     run,
     start_torchrun_agent,
@@ -250,7 +249,7 @@ def test_restarted_workers_that_cannot_meet_give_up_within_the_timeout(tmp_path)
     assert code == 0 and log.epochs[-1:] == [10] and log.world_size == 2, out[-3000:]
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_a_killed_gpu_worker_restarts_and_the_run_ends_intact(tmp_path):
     """A killed GPU worker is restarted and the run ends as if nothing happened."""
     nproc, env = min(2, GPUS), GPU_ENV
@@ -423,6 +422,7 @@ def test_torchrun_launchers_give_up_within_a_minute_by_default(path):
     assert max(map(int, join)) <= 60 and max(map(int, read)) <= 30, (join, read)
 
 
+@pytest.mark.demo
 def test_make_fault_demo_kills_a_worker_and_accounts_for_recovery(tmp_path):
     """`make fault-demo` kills a worker after a snapshot and accounts for the recovery.
 

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import EXAMPLES, REPO, free_port, run
+
+pytestmark = pytest.mark.demo
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LESSON = str(EXAMPLES / "multigpu_torchft.py")

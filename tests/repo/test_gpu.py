@@ -18,11 +18,10 @@ from helpers import (
     example_cmd,
     free_port,
     load_snapshot,
-    needs_gpu,
     run,
 )
 
-pytestmark = needs_gpu
+pytestmark = pytest.mark.gpu
 # What needs more than one GPU is skipped, saying so, on a one-GPU machine: at world size 1, DDP's
 # equivalence and one GPU per rank hold trivially and would prove nothing.
 needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, one per rank; torch sees {GPUS} GPU(s)")

@@ -9,7 +9,7 @@ import pytest
 from helpers import PYTHON, REPO, run
 
 # pytest-timeout's bound above the report's own 1200 s (the first test to use the report runs it)
-pytestmark = pytest.mark.timeout(1260)
+pytestmark = [pytest.mark.demo, pytest.mark.timeout(1260)]
 
 # pitfall -> what its last line must name, and what its broken run must have shown
 EXPECTED = {

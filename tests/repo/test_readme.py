@@ -3,6 +3,8 @@
 import pytest
 from helpers import EPOCH_RE, REPO, VENV, TrainLog, doc_block, free_port, run
 
+pytestmark = pytest.mark.quick
+
 MARKER = "<!-- tests/repo/test_readme.py runs every command in the next block"
 
 

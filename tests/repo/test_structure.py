@@ -8,6 +8,8 @@ import subprocess
 import pytest
 from helpers import EXAMPLES, TORCHRUN_LESSONS
 
+pytestmark = pytest.mark.quick
+
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]
 # Every lesson, comments and docstrings included, reads in five minutes: at most 165 lines, 170 for Ray,
