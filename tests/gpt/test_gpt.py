@@ -6,7 +6,6 @@ shapes: the file took 298 s on 2 cores at load average 1 to 4 before those moved
 
 import argparse
 import json
-import os
 import pickle
 import random
 import re
@@ -18,8 +17,20 @@ import psutil
 import pytest
 import torch
 from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
+from gpt_helpers import (
+    TINY,
+    TRAIN,
+    VAL_RE,
+    RunsCode,
+    assert_close,
+    assert_identical,
+    assert_stopped_and_resumed_ends_bit_identical,
+    files,
+    max_diff,
+    saved,
+    train,
+)
 from helpers import (
-    EXAMPLES,
     GPT_ON_PATH,
     GPU_ENV,
     GPUS,
@@ -29,67 +40,8 @@ from helpers import (
     TORCHRUN,
     import_gpt_module,
     run,
-    session_dir,
     start_torchrun_agent,
 )
-
-GPT = EXAMPLES / "gpt"
-TRAIN = GPT / "train.py"
-BENCH_GPT = REPO / "benchmarks" / "gpt_throughput.py"
-TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
-TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
-VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
-
-
-@pytest.fixture(scope="session")
-def cache():
-    """One corpus cache for the session, shared by the workers: the standard library corpus is built once,
-    by the first process that needs it, while the others wait on the trainer's own lock (data.file_lock)."""
-    return session_dir("gpt-cache")
-
-
-def train(cwd, cache, *args, nproc=None, timeout=600, check=True, env=None):
-    """train.py alone (1 thread, as each torchrun worker has) or under torchrun, on the tiny model."""
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
-    cmd += [TRAIN, "--cache_dir", cache, *TINY, *args]
-    return run(cmd, timeout=timeout, cwd=cwd, check=check, env=env)
-
-
-def saved(folder, name="gpt_snapshot"):
-    """The snapshot directory folder/name as one process holds it: what export.py writes in one file."""
-    return import_gpt_module("export").single_file_state(folder / name)
-
-
-def files(folder):
-    """{path: bytes} of every file under folder."""
-    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def assert_close(mine, ref, tolerance=1e-4):
-    """Two runs' saved states (saved()) equal within float summation order, amplified by AdamW: the weights
-    and the optimizer state, whose moments see a gradient off by a constant factor that the weights do
-    not (AdamW divides it out), where every step is unclipped (--grad_clip 0)."""
-    assert mine["model"].keys() == ref["model"].keys()
-    diff = max_diff(mine["model"], ref["model"])
-    assert diff < tolerance, f"parameters {diff:.3g} apart"
-    assert mine["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
-    assert mine["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
-    for name, state in ref["optimizer"]["state"].items():
-        for key, value in state.items():  # relative to the size of each moment: exp_avg_sq is about 1e-6
-            scale = max(value.abs().max().item(), 1e-12)
-            diff = (mine["optimizer"]["state"][name][key] - value).abs().max().item() / scale
-            assert diff < tolerance * 10, f"optimizer state {name}.{key}: {diff:.3g} apart, relatively"
-
-
-def assert_identical(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].equal(b[key]), key
 
 
 # ---- the model ---------------------------------------------------------------------------------------
@@ -342,24 +294,6 @@ def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
 
 
 # ---- resume -----------------------------------------------------------------------------------------
-def assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, stop, end, nproc=None):
-    """A run stopped at step `stop` and resumed to `end` ends with the model and optimizer state of one run
-    straight to `end`."""
-    (tmp_path / "full").mkdir()
-    train(tmp_path / "full", cache, *args, "--max_steps", end, nproc=nproc)
-    train(tmp_path, cache, *args, "--max_steps", stop, nproc=nproc)
-    proc = train(tmp_path, cache, *args, "--max_steps", end, nproc=nproc)
-    assert f"resuming from gpt_snapshot at step {stop}" in proc.stdout, proc.stdout[-2000:]
-    full, resumed = (
-        saved(tmp_path / "full"),
-        saved(tmp_path),
-    )
-    assert resumed["step"] == end
-    assert_identical(full["model"], resumed["model"])
-    for a, b in zip(full["optimizer"]["state"].values(), resumed["optimizer"]["state"].values(), strict=True):
-        assert_identical(a, b)
-
-
 def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
     # dropout on: the random streams must continue exactly too; the cosine ends at step 30 in both runs
     args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 30, "--save_every", 7]
@@ -538,11 +472,6 @@ def test_ctrl_c_in_one_process_saves_and_ends_without_a_traceback(tmp_path, cach
 
 def preempt_name(signum):
     return import_gpt_module("failures.preempt").NAMES[signum]
-
-
-class RunsCode:
-    def __reduce__(self):
-        return (os.system, ("touch pwned",))
 
 
 @pytest.mark.parametrize("kind", ["other_config", "code"])

@@ -11,10 +11,8 @@ import re
 
 import pytest
 import torch
+from gpt_helpers import TRAIN, saved, train
 from helpers import PYTHON, import_gpt_module, run
-from test_gpt import TRAIN, cache, saved, train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 
 @pytest.mark.parametrize(

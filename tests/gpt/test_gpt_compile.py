@@ -7,10 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
+from gpt_helpers import max_diff, saved, train
 from helpers import import_gpt_module
-from test_gpt import cache, max_diff, saved, train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 SMALL = ["--n_layer", 2, "--n_embd", 32, "--n_head", 2, "--block_size", 16, "--batch_size", 4]
 SMALL += ["--max_steps", 5, "--eval_every", 5, "--sample_chars", 0]

@@ -13,15 +13,13 @@ import time
 
 import numpy as np
 import pytest
+from gpt_helpers import RunsCode, train
 from helpers import (
     REPO,
     free_port,
     import_gpt_module,
 )
-from test_gpt import cache, train
 from test_gpt_prepare import SHORT, files_in
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 
 # ---- nanoGPT's files -------------------------------------------------------------------------------------
@@ -59,11 +57,6 @@ def nanogpt_char_folder(folder, text):
     return len(chars)
 
 
-class RunsCode:
-    def __reduce__(self):
-        return os.system, ("touch ran",)
-
-
 def test_nanogpt_char_folders_train_and_a_code_running_meta_is_refused(tmp_path, cache):
     """nanoGPT char folders train their own vocabulary and a meta.pkl that runs code is refused.
 
@@ -71,7 +64,7 @@ def test_nanogpt_char_folders_train_and_a_code_running_meta_is_refused(tmp_path,
     (its first validation loss near ln(vocabulary), not GPT-2's ln 50257 = 10.8) and decodes its samples
     through itos. meta.pkl is read by an unpickler that admits plain data only: one that would call
     os.system is refused in one line, exit 2, and nothing runs. Mutation: pickle.load in its place: the
-    command runs (the file `ran` appears) and training goes on."""
+    command runs (the file `pwned` appears) and training goes on."""
     folder = tmp_path / "shakespeare_char"
     vocab = nanogpt_char_folder(folder, (REPO / "README.md").read_text())
     proc = train(tmp_path, cache, "--data", folder, *SHORT[:-2], "--sample_chars", 200)
@@ -84,7 +77,7 @@ def test_nanogpt_char_folders_train_and_a_code_running_meta_is_refused(tmp_path,
     proc = train(tmp_path, cache, "--data", folder, *SHORT, "--snapshot_path", "other", check=False)
     message = f"train.py: error: --data {folder}: meta.pkl cannot be used: it names posix.system"
     assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1].startswith(message), proc.stdout
-    assert not (tmp_path / "ran").exists() and not (tmp_path / "other").exists()
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "other").exists()
 
 
 # ---- memory-mapped shards --------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import json
 import re
 
 import pytest
+from gpt_helpers import assert_close, max_diff, saved
 from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
-from test_gpt import assert_close, cache, max_diff, saved  # noqa: F401  (cache: a fixture)
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout
@@ -31,7 +31,7 @@ def gap(a, b):
     return (sum((a[k] - b[k]).square().sum() for k in keys) / sum(b[k].square().sum() for k in keys)).sqrt()
 
 
-def matrix(tmp_path, cache, world, most):  # noqa: F811
+def matrix(tmp_path, cache, world, most):
     """{combination: (trained or refused, the rest of its line)} for this world size."""
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={world}", PROGRAMS / "layout_matrix.py"]
     cmd += [tmp_path / f"w{world}", most, 8, json.dumps(STEPS), "--", "--cache_dir", cache, *ARGS]
@@ -42,14 +42,14 @@ def matrix(tmp_path, cache, world, most):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, cache):  # noqa: F811
+def one(tmp_path_factory, cache):
     """One process through the same program: fp32 and bf16 (fp16 is refused without a GPU)."""
     path = tmp_path_factory.mktemp("one")
     return path, matrix(path, cache, 1, 1)
 
 
 @pytest.mark.parametrize(("world", "most"), [(4, 4), (8, 2)])
-def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path, cache, one, world, most):  # noqa: F811
+def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path, cache, one, world, most):
     combos = matrix(tmp_path, cache, world, most)
     dtypes = {name.rsplit("-", 1)[1] for name in combos}
     assert dtypes == {"fp32", "bf16", "fp16"}, dtypes  # auto is fp32 on a CPU

@@ -14,10 +14,8 @@ import re
 
 import pytest
 import torch
+from gpt_helpers import max_diff, saved, train
 from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
-from test_gpt import cache, max_diff, saved, train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
 
 # global batch 16 in every run: 1 x 16, 2 processes x 2 sequences x 4 micro-batches, ...
 STEPS = [

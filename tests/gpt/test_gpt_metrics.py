@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from gpt_helpers import train
 from helpers import (
     PROGRAMS,
     PYTHON,
@@ -18,10 +19,6 @@ from helpers import (
     run,
     wait_for_json,
 )
-from test_gpt import cache
-from test_gpt_sharding import train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 TENSORBOARD = [PYTHON, "-m", "tensorboard.main"]
 SLOW_MS = 60

@@ -10,21 +10,18 @@ import re
 import shutil
 
 import pytest
-import test_gpt_sharding as sharding
 import torch
-from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
-from test_gpt import (  # noqa: F401  (cache: a fixture)
+from gpt_helpers import (
     TRAIN,
     VAL_RE,
     assert_close,
-    assert_identical,
     assert_stopped_and_resumed_ends_bit_identical,
-    cache,
     import_gpt_module,
     max_diff,
     saved,
     train,
 )
+from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
@@ -34,7 +31,7 @@ REPLICAS_RE = re.compile(r"^replicas identical: (\d+) copies compared across ran
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, cache):  # noqa: F811
+def one(tmp_path_factory, cache):
     """One process, 40 steps, stopped at 20 (resuming is exact, as test_gpt.py shows): (folder, output)."""
     cwd = tmp_path_factory.mktemp("one")
     out = train(cwd, cache, *RUN, "--max_steps", 20).stdout
@@ -56,7 +53,7 @@ def assert_matches_one_process(cwd, out, one):
     assert "sample:" in out
 
 
-def test_tp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, cache, one):  # noqa: F811
+def test_tp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, cache, one):
     proc = train(tmp_path, cache, *RUN, "--parallel", "tp", nproc=2)
     assert "global batch 16 x 64 tokens" in proc.stdout  # both ranks read the same 16 sequences
     assert "layout tp 2" in proc.stdout
@@ -65,7 +62,7 @@ def test_tp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, c
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, cache, one, schedule):  # noqa: F811
+def test_pp_on_2_ranks_equals_one_process_with_the_same_global_batch(tmp_path, cache, one, schedule):
     args = ["--parallel", "pp", "--pp_schedule", schedule, "--pp_microbatches", 4]
     proc = train(tmp_path, cache, *RUN, *args, nproc=2)
     # the first and the last stage end with the same copy of the token embedding (also the head)
@@ -90,7 +87,7 @@ REPLICA_COPIES = {"pp x tp": 8, "fsdp x tp": 4, "pp x fsdp": 4, "pp x ddp": 8, "
 
 # 40 steps for one 2-D layout, pp x tp (test_gpt_layouts.py runs every layout for a few steps)
 @pytest.mark.parametrize("layout", ["pp x tp"])
-def test_2d_layouts_on_4_ranks_equal_one_process(tmp_path, cache, one, layout):  # noqa: F811
+def test_2d_layouts_on_4_ranks_equal_one_process(tmp_path, cache, one, layout):
     """2-D layouts on 4 ranks equal one process with the same global batch."""
     proc = train(tmp_path, cache, *RUN, *LAYOUTS[layout], nproc=4)
     assert "global batch 16 x 64 tokens" in proc.stdout, proc.stdout[-2000:]
@@ -98,7 +95,7 @@ def test_2d_layouts_on_4_ranks_equal_one_process(tmp_path, cache, one, layout): 
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_pp_fsdp_tp_on_8_ranks_equals_one_process(tmp_path, cache, one):  # noqa: F811
+def test_pp_fsdp_tp_on_8_ranks_equals_one_process(tmp_path, cache, one):
     args = ["--pp", 2, "--dp_shard", 2, "--tp", 2, "--batch_size", 8, "--pp_microbatches", 2]
     proc = train(tmp_path, cache, *RUN, *args, nproc=8)
     assert "layout pp 2 x dp_shard 2 x tp 2" in proc.stdout, proc.stdout[-2000:]
@@ -108,7 +105,7 @@ def test_pp_fsdp_tp_on_8_ranks_equals_one_process(tmp_path, cache, one):  # noqa
 # ---- any layout resumes any other's snapshot ---------------------------------------------------------
 def test_pp_on_3_ranks_resumes_a_one_process_snapshot_exactly(
     tmp_path,
-    cache,  # noqa: F811
+    cache,
     one,
 ):
     """pp on 3 ranks resumes a one process snapshot and ends where one process does."""
@@ -118,11 +115,11 @@ def test_pp_on_3_ranks_resumes_a_one_process_snapshot_exactly(
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_a_2d_run_killed_after_its_first_snapshot_resumes_in_one_process(tmp_path, cache, one):  # noqa: F811
+def test_a_2d_run_killed_after_its_first_snapshot_resumes_in_one_process(tmp_path, cache, one):
     # rank 0 is killed while it saves step 40 (programs/crash_at_save.py): the snapshot of step 20 remains
     args = [*RUN, *LAYOUTS["fsdp x tp"], "--save_every", 20]
     wrapper = PROGRAMS / "crash_at_save.py"
-    crashed = sharding.train(tmp_path, cache, *args, nproc=4, script=wrapper, check=False)
+    crashed = train(tmp_path, cache, *args, nproc=4, script=wrapper, check=False)
     assert crashed.returncode != 0, crashed.stdout[-2000:]
     assert "saved gpt_snapshot at step 20" in crashed.stdout, crashed.stdout[-2000:]
     proc = train(tmp_path, cache, *RUN)
@@ -130,14 +127,14 @@ def test_a_2d_run_killed_after_its_first_snapshot_resumes_in_one_process(tmp_pat
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_a_ddp_snapshot_resumes_as_pp_x_fsdp(tmp_path, cache, one):  # noqa: F811
+def test_a_ddp_snapshot_resumes_as_pp_x_fsdp(tmp_path, cache, one):
     train(tmp_path, cache, *RUN, "--batch_size", 8, "--max_steps", 20, nproc=2)
     proc = train(tmp_path, cache, *RUN, *LAYOUTS["pp x fsdp"], nproc=4)
     assert "resuming from gpt_snapshot at step 20" in proc.stdout, proc.stdout[-2000:]
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_a_single_file_is_imported_into_a_sharded_layout(tmp_path, cache, one):  # noqa: F811
+def test_a_single_file_is_imported_into_a_sharded_layout(tmp_path, cache, one):
     checkpoint = import_gpt_module("snapshots.checkpoint")
     checkpoint.save_file(tmp_path / "step20.pt", saved(one[0], "step20"))
     args = ["--parallel", "fsdp", "--batch_size", 8, "--init_from", "step20.pt"]
@@ -146,7 +143,7 @@ def test_a_single_file_is_imported_into_a_sharded_layout(tmp_path, cache, one): 
     assert_matches_one_process(tmp_path, proc.stdout, one)
 
 
-def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):  # noqa: F811
+def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):
     # dropout on: every rank's random stream must continue exactly, and the ranks must draw alike
     args = ["--batch_size", 8, "--dropout", 0.1, "--decay_steps", 20, "--save_every", 7, "--parallel", "tp"]
     assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 10, 20, nproc=2)
@@ -208,7 +205,7 @@ def test_tp_dropout_draws_distinct_masks_for_each_share_of_the_heads(tmp_path):
 # ---- a non-finite step seen by one process only: every process takes the same decision ---------------
 @pytest.mark.parametrize("skip", [1, 0])
 @pytest.mark.parametrize("step", [3, 2])
-def test_a_non_finite_step_on_one_process_acts_on_every_process(tmp_path, cache, skip, step):  # noqa: F811
+def test_a_non_finite_step_on_one_process_acts_on_every_process(tmp_path, cache, skip, step):
     """A step non finite on one process is skipped or stops on every process.
 
     Step 3 logs, so the host reads its checks before its update; step 2's are read with step 3's (an
@@ -218,7 +215,7 @@ def test_a_non_finite_step_on_one_process_acts_on_every_process(tmp_path, cache,
     wrapper = PROGRAMS / "one_sided_nan.py"
     args = ["--parallel", "tp", "--max_steps", 6, "--log_every", 3, "--skip_nonfinite", skip]
     env = {"NAN_STEP": str(step)}
-    proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, check=False, env=env)
+    proc = train(tmp_path, cache, *args, nproc=2, script=wrapper, check=False, env=env)
     if skip:
         assert proc.returncode == 0, proc.stdout[-3000:]
         assert (
@@ -235,7 +232,7 @@ def test_a_non_finite_step_on_one_process_acts_on_every_process(tmp_path, cache,
 
 # ---- an ordinary step reads nothing back: the host waits for the device only where it logs or saves -----
 @pytest.mark.parametrize("nproc", [None, 2])
-def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, nproc):  # noqa: F811
+def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, nproc):
     """tests/programs/host_reads.py counts every value examples/gpt reads from a tensor, step by step
     (on a GPU also every synchronising call). Steps 4, 8, 12 log (8 evaluates, 12 is the last), 6 and 11
     follow a due snapshot: only those read; the others read 0. One process, and tp on 2, where every
@@ -244,7 +241,7 @@ def test_an_ordinary_step_reads_nothing_back_from_the_device(tmp_path, cache, np
     that foreach AdamW refuses): each fails."""
     args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
     args += ["--parallel", "tp"] if nproc else []
-    sharding.train(tmp_path, cache, *args, nproc=nproc, script=PROGRAMS / "host_reads.py")
+    train(tmp_path, cache, *args, nproc=nproc, script=PROGRAMS / "host_reads.py")
     checked = [4, 6, 8, 11, 12]
     for rank in range(nproc or 1):
         found = json.loads((tmp_path / f"reads.rank{rank}.json").read_text())
@@ -265,11 +262,11 @@ def per_rank(folder):
     return found
 
 
-def test_fp16_overflow_on_one_process_skips_the_step_everywhere(tmp_path, cache):  # noqa: F811
+def test_fp16_overflow_on_one_process_skips_the_step_everywhere(tmp_path, cache):
     """fp16 overflow on one process skips the step and halves the scale on every process."""
     wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 7, "--log_every", 1, "--sample_chars", 0]
-    proc = sharding.train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
+    proc = train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
     steps = per_rank(tmp_path)
     # step 3 skipped, the scale halved; 3 clean steps later (4, 5, 6) it doubles back
     expected = [(1, 1024.0, True), (2, 1024.0, True), (3, 512.0, False), (4, 512.0, True)]
@@ -281,13 +278,11 @@ def test_fp16_overflow_on_one_process_skips_the_step_everywhere(tmp_path, cache)
 
 
 @pytest.mark.parametrize("skip", [1, 0])
-def test_an_infinite_gradient_on_one_process_acts_on_every_process(tmp_path, cache, skip):  # noqa: F811
+def test_an_infinite_gradient_on_one_process_acts_on_every_process(tmp_path, cache, skip):
     """An infinite gradient on one process is skipped or stops every process."""
     wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 5, "--log_every", 1, "--sample_chars", 0]
-    proc = sharding.train(
-        tmp_path, cache, *args, "--skip_nonfinite", skip, nproc=2, script=wrapper, check=False
-    )
+    proc = train(tmp_path, cache, *args, "--skip_nonfinite", skip, nproc=2, script=wrapper, check=False)
     moved = {rank: [m for _, _, m in steps] for rank, steps in per_rank(tmp_path).items()}
     if skip:
         assert proc.returncode == 0, proc.stdout[-3000:]

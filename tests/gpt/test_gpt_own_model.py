@@ -5,11 +5,9 @@ import re
 
 import pytest
 import torch
+from gpt_helpers import TINY, TRAIN
 from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, import_gpt_module, run
-from test_gpt import TINY, TRAIN, cache
 from torch.distributed import checkpoint as dcp
-
-__all__ = ["cache"]
 
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gpt_helpers import GPT, TINY, TRAIN, train
 from helpers import (
     GPT_ON_PATH,
     PROGRAMS,
@@ -30,10 +31,6 @@ from helpers import (
     run,
     run_together,
 )
-from test_gpt import GPT, TINY, TRAIN, cache, train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
-
 
 PREPARE = GPT / "prepare.py"
 

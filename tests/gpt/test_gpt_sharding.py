@@ -9,36 +9,23 @@ import shutil
 
 import pytest
 import torch
-from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, TORCHRUN, free_port, run
-from test_gpt import (
+from gpt_helpers import (
     GPT,
-    TINY,
-    TRAIN,
     RunsCode,
     assert_close,
     assert_identical,
-    cache,
     import_gpt_module,
     max_diff,
     saved,
+    train,
 )
+from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, free_port, run
 from torch.distributed import checkpoint as dcp
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py, shared by this file's runs
 
 EXPORT = GPT / "export.py"
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
 STEPS = ["--max_steps", 40, "--save_every", 20, "--sample_chars", 0, "--grad_clip", 0]
 ON_2 = ["--batch_size", 12]
-
-
-def train(cwd, cache, *args, nproc=None, script=None, check=True, env=None):
-    """train.py (or a script that runs it) on the tiny model: alone, or under torchrun on nproc processes."""
-    env = {"OMP_NUM_THREADS": "1", **(GPT_ON_PATH if script else {}), **(env or {})}
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
-    cmd += [script, TRAIN] if script else [TRAIN]
-    cmd += ["--cache_dir", cache, *TINY, *args]
-    return run(cmd, timeout=600, cwd=cwd, check=check, env=env)
 
 
 def export(snapshot, out, check=True, env=None):

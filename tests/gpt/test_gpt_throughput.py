@@ -6,10 +6,8 @@ import json
 import re
 
 import pytest
+from gpt_helpers import BENCH_GPT, train
 from helpers import PYTHON, REPO, import_gpt_module, run
-from test_gpt import BENCH_GPT, cache, train
-
-__all__ = ["cache"]  # the corpus cache fixture of test_gpt.py
 
 
 def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache):

@@ -191,7 +191,7 @@ def test_tp_at_world_size_1_on_nccl_trains_with_fused_adamw(tmp_path):
 def test_an_ordinary_gpt_step_on_the_gpu_waits_for_nothing(tmp_path):
     """tests/programs/host_reads.py on the GPU, one process, bf16: CUDA's sync debug mode warns of every
     call in a step that waits for the device; the steps that neither log, evaluate nor save have none."""
-    from test_gpt_sharding import train
+    from gpt_helpers import train
 
     args = ["--max_steps", 12, "--log_every", 4, "--eval_every", 8, "--save_every", 5, "--batch_size", 8]
     cache = tmp_path / "cache"
