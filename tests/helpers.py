@@ -39,6 +39,9 @@ GPT_ON_PATH = {"PYTHONPATH": str(EXAMPLES / "gpt")}
 TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+# N ranks forked from one process that imported torch once, in torchrun's environment (programs/forkrun.py):
+# the GPT runs whose subject is not the launcher (restarts, signals, torchrun's summary and rendezvous are)
+FORKRUN = [PYTHON, str(Path(__file__).parent / "programs" / "forkrun.py")]
 VENV = Path(PYTHON).parent.parent  # the environment running the tests, handed to make as VENV
 
 # The lessons' log lines; `make multinode` prefixes each node's output with "[nodeN] ". Rank 0, each epoch:

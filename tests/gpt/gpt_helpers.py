@@ -4,7 +4,7 @@ The corpus cache every run reads is tests/gpt/conftest.py's fixture `cache`."""
 import os
 import re
 
-from helpers import EXAMPLES, GPT_ON_PATH, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PYTHON, REPO, TORCHRUN, import_gpt_module, run
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
@@ -14,11 +14,13 @@ TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_s
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
 
 
-def train(cwd, cache, *args, nproc=None, script=None, timeout=600, check=True, env=None):
+def train(cwd, cache, *args, nproc=None, script=None, torchrun=False, timeout=600, check=True, env=None):
     """train.py (or a script that runs it) on the tiny model: alone (1 thread, as each rank has), or on
-    nproc processes started as torchrun starts them."""
+    nproc processes forked in torchrun's environment (FORKRUN), or under torchrun itself where what it
+    does is the subject (torchrun=True: its closing summary)."""
     env = {"OMP_NUM_THREADS": "1", **(GPT_ON_PATH if script else {}), **(env or {})}
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
+    launcher = [*TORCHRUN, "--standalone"] if torchrun else FORKRUN
+    cmd = [*launcher, f"--nproc-per-node={nproc}"] if nproc else [PYTHON]
     cmd += [script, TRAIN] if script else [TRAIN]
     cmd += ["--cache_dir", cache, *TINY, *args]
     return run(cmd, timeout=timeout, cwd=cwd, check=check, env=env)

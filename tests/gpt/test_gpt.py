@@ -502,7 +502,9 @@ def test_under_torchrun_another_shapes_snapshot_is_said_once(tmp_path, cache, dd
     last, as the error of local rank 0 (its error file), and the snapshot is left as it was."""
     shutil.copytree(ddp2[0] / "gpt_snapshot", tmp_path / "gpt_snapshot")
     before = files(tmp_path)
-    proc = train(tmp_path, cache, *RUN, "--batch_size", 8, "--n_layer", 3, nproc=2, check=False)
+    proc = train(
+        tmp_path, cache, *RUN, "--batch_size", 8, "--n_layer", 3, nproc=2, torchrun=True, check=False
+    )
     assert proc.returncode != 0
     assert proc.stdout.count("another configuration: n_layer 2 (this run: 3)") == 1, proc.stdout[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import re
 
 import pytest
 from gpt_helpers import assert_close, max_diff, saved
-from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, run
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout
@@ -33,7 +33,7 @@ def gap(a, b):
 
 def matrix(tmp_path, cache, world, most):
     """{combination: (trained or refused, the rest of its line)} for this world size."""
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={world}", PROGRAMS / "layout_matrix.py"]
+    cmd = [*FORKRUN, f"--nproc-per-node={world}", PROGRAMS / "layout_matrix.py"]
     cmd += [tmp_path / f"w{world}", most, 8, json.dumps(STEPS), "--", "--cache_dir", cache, *ARGS]
     proc = run(cmd, timeout=900, cwd=tmp_path, env={**GPT_ON_PATH, "OMP_NUM_THREADS": "1"})
     combos = {name: (verdict, rest) for name, verdict, rest in COMBO_RE.findall(proc.stdout)}

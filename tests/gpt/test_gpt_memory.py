@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 from gpt_helpers import max_diff, saved, train
-from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, import_gpt_module, run
 
 # global batch 16 in every run: 1 x 16, 2 processes x 2 sequences x 4 micro-batches, ...
 STEPS = [
@@ -183,7 +183,7 @@ def test_bad_ac_options_get_an_argparse_error(capsys, args, message):
 
 # ---- pp x FSDP and initialisation, on 4 processes, without the trainer ---------------------------------
 def probe(tmp_path, kind):
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=4", PROGRAMS / "memory_probe.py", kind]
+    cmd = [*FORKRUN, "--nproc-per-node=4", PROGRAMS / "memory_probe.py", kind]
     proc = run(cmd, timeout=180, cwd=tmp_path, env=GPT_ON_PATH)
     return next((line for line in proc.stdout.splitlines() if line.startswith("RESULT")), proc.stdout[-2000:])
 
@@ -283,7 +283,7 @@ def test_an_unknown_strategy_exits_2_and_writes_nothing(tmp_path):
 
 def test_sharded_parameters_count_their_local_shard_only(tmp_path):
     """FSDP2 on 2 ranks: each rank holds half of every tensor (all dimensions are even here)."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "sharded_memory.py", EXAMPLES / "gpt"]
+    cmd = [*FORKRUN, "--nproc-per-node=2", PROGRAMS / "sharded_memory.py", EXAMPLES / "gpt"]
     proc = run(cmd, timeout=120, cwd=tmp_path, env=GPT_ON_PATH)
     reports = [json.loads(line) for line in re.findall(r"^MEMORY (.*)$", proc.stdout, re.M)]
     full = 4 * (8 * 16 + 16 + 16 * 8 + 8)

@@ -21,7 +21,7 @@ from gpt_helpers import (
     saved,
     train,
 )
-from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, run
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, TORCHRUN, run
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
@@ -197,7 +197,7 @@ def test_under_torchrun_a_bad_size_stops_every_process_before_work(tmp_path):
 
 # ---- dropout under tp: each share of the heads draws its own masks, as distinct heads do in one process -
 def test_tp_dropout_draws_distinct_masks_for_each_share_of_the_heads(tmp_path):
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "tp_dropout.py", TRAIN.parent]
+    cmd = [*FORKRUN, "--nproc-per-node=2", PROGRAMS / "tp_dropout.py", TRAIN.parent]
     proc = run(cmd, timeout=120, cwd=tmp_path, env=GPT_ON_PATH)
     assert "RESULT distinct" in proc.stdout, proc.stdout[-2000:]
 
@@ -325,7 +325,7 @@ TP_ONE_RE = re.compile(
 
 def tp_at_world_size_1(tmp_path, env=None):
     """tests/programs/tp_one_process.py under torchrun: (backend, first loss, last loss)."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=1", PROGRAMS / "tp_one_process.py"]
+    cmd = [*FORKRUN, "--nproc-per-node=1", PROGRAMS / "tp_one_process.py"]
     proc = run(cmd, timeout=300, cwd=tmp_path, env={**GPT_ON_PATH, **(env or {})})
     found = TP_ONE_RE.search(proc.stdout)
     assert found, proc.stdout[-3000:]

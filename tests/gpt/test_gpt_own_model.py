@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 from gpt_helpers import TINY, TRAIN
-from helpers import GPT_ON_PATH, PROGRAMS, TORCHRUN, import_gpt_module, run
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module, run
 from torch.distributed import checkpoint as dcp
 
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
@@ -14,7 +14,7 @@ VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_a_model_of_your_own_trains_under_each_strategy(tmp_path, cache, strategy):
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "own_model.py", TRAIN]
+    cmd = [*FORKRUN, "--nproc-per-node=2", PROGRAMS / "own_model.py", TRAIN]
     cmd += ["--cache_dir", cache, *TINY]
     cmd += ["--parallel", strategy, "--max_steps", 10, "--eval_every", 10, "--batch_size", 4]
     proc = run(cmd, timeout=900, cwd=tmp_path, env={**GPT_ON_PATH, "OMP_NUM_THREADS": "1"})

@@ -20,6 +20,7 @@ import pytest
 import torch
 from gpt_helpers import GPT, TINY, TRAIN, train
 from helpers import (
+    FORKRUN,
     GPT_ON_PATH,
     PROGRAMS,
     PYTHON,
@@ -554,7 +555,7 @@ def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts)
     assert f"wrote {tmp_path / 'shards'}: bpe tokenizer of 1000 tokens" in proc.stdout, proc.stdout
     args = ["--data", tmp_path / "shards", "--init_from", folder, "--dp_shard", 2, "--lr", 1e-12]
     args += ["--max_steps", 4, "--save_every", 4, "--batch_size", 4, "--sample_chars", 0, "--eval_samples", 8]
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, "--cache_dir", tmp_path / "cache", *args]
+    cmd = [*FORKRUN, "--nproc-per-node=2", TRAIN, "--cache_dir", tmp_path / "cache", *args]
     proc = run(cmd, timeout=600, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert f"resuming from {folder} at step 0" in proc.stdout, proc.stdout[-3000:]
     cmd[cmd.index("--max_steps") + 1] = 8

@@ -430,8 +430,10 @@ def test_make_fault_demo_kills_a_worker_and_accounts_for_recovery(tmp_path):
     disk, torchrun's restart, and a short account ending with the comparison to an uninterrupted run.
     torch's error-file race (tests/sites/error_file_race) kills the first attempt's agent: the demo says
     so and runs once more, as it does when the race comes by itself. Mutation: without that second run,
-    the demo exits 1 ("torchrun did not restart the workers")."""
+    the demo exits 1 ("torchrun did not restart the workers"). Epochs of 8,192 samples, a quarter of the
+    demo's own: 5 epochs after the snapshot still leave it seconds to kill rank 1 in."""
     make = ["make", "--no-print-directory", "-C", REPO, "fault-demo", f"RUNS={tmp_path}", f"VENV={VENV}"]
+    make += ["FAULT_ARGS=--dataset_size 8192"]
     race = {"PYTHONPATH": str(SITES / "error_file_race"), "ERROR_FILE_RACE_MARK": str(tmp_path / "raced")}
     out = run(make, timeout=900, env=race).stdout
     assert out.count("(a race in torch); once more") == 1 and (tmp_path / "raced").exists(), out[-3000:]

@@ -1,5 +1,5 @@
 """torchrun's worker environment for N ranks forked from this one process, which imports torch and the
-script's own imports once: how the GPT tests start the runs whose subject is not the launcher (each
+GPT trainer (examples/gpt/train.py, when the script's folder or PYTHONPATH has it) once: how the GPT tests start the runs whose subject is not the launcher (each
 process that imports torch costs 2-3 CPU seconds on 2 cores, and torchrun's agent and N workers are N + 1
 of them). Restarts, signals, torchrun's closing summary and rendezvous are torchrun's: those tests use it.
 
@@ -50,7 +50,10 @@ def main():
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for more than one process
     import torch.distributed as dist
 
-    runpy.run_path(script, run_name="__forkrun__")  # its imports, here once for every rank
+    try:  # the GPT trainer and all it imports, here once for every rank; its scripts run it as __main__
+        import train  # noqa: F401
+    except ImportError:  # not on the path: a script of its own
+        pass
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     common = {
