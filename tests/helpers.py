@@ -33,7 +33,8 @@ import steps  # noqa: E402  (harness/steps.py: how each step is started, shared 
 EXAMPLES = REPO / "examples"
 # The programs the tests start, as files: scripts, and folders holding a sitecustomize.py. Those that import
 # the GPT package get it from PYTHONPATH, the one way they find it.
-PROGRAMS, SITES = REPO / "tests" / "programs", REPO / "tests" / "sites"
+PROGRAMS = REPO / "tests" / "programs"
+SITES = PROGRAMS / "sites"  # folders of a sitecustomize.py each, put on PYTHONPATH
 GPT_ON_PATH = {"PYTHONPATH": str(EXAMPLES / "gpt")}
 # the lessons torchrun starts with several processes, which say a refusal once, in its closing summary
 TORCHRUN_LESSONS = ["multigpu_torchrun", "multinode", "multigpu_accelerate"]
