@@ -312,10 +312,12 @@ def test_torchruns_static_form_trains_two_nodes_without_a_traceback(tmp_path):
         assert codes == (0, 0), outs
         TrainLog(outs[0]).assert_trained(world_size=4)
         assert sorted(TrainLog(outs[1]).ranks) == [2, 3], outs[1]
-        for out in outs:
+        for out in outs:  # a traceback only as a line of the exit barrier's own log record (its prefix)
+            barrier = re.findall(
+                r"^(.*/elastic/agent/server/api\.py:\d+\]) Error waiting on exit barrier", out, re.M
+            )
             tracebacks = [line for line in out.splitlines() if "Traceback" in line]
-            assert all("elastic/agent/server/api.py" in line for line in tracebacks), out
-            assert not tracebacks or "Error waiting on exit barrier" in out, out
+            assert all(any(line.startswith(f"{b} ") for b in barrier) for line in tracebacks), out
 
 
 def listening(port):
@@ -326,23 +328,9 @@ def listening(port):
         return False
 
 
-@pytest.mark.parametrize("case", ["differs", "does not fit"])
-def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path, case):
-    """differs: node 0 finds a snapshot, node 1 (another folder: no shared storage) none: stop, do not train
-    apart; every process finds it, each node says it once. does not fit: both find a tiny run's snapshot,
-    given to the vision workload; node 0 says why, whole, node 1 that rank 0 could not resume. Each is said
-    as the error of that node's torchrun closing summary; nothing trains, nothing is written. Node 0 starts
-    first, so it hosts the rendezvous store (and holds rank 0): a node whose torchrun outlives the store's
-    may be told instead that it cannot reach it, which is torchrun's way whenever nodes fail together."""
-    for node in ("a", "b"):
-        (tmp_path / node).mkdir()
-    run(example_cmd("single_gpu", 1, 1, "--snapshot_path", "snap.pt"), timeout=300, cwd=tmp_path / "a")
-    args = [2, 1, "--snapshot_path", "snap.pt"]
-    if case == "does not fit":
-        shutil.copy(tmp_path / "a" / "snap.pt", tmp_path / "b")
-        args += ["--dataset_size", 16]
-    before = {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")}
-    vision = case == "does not fit"
+def start_two_nodes(tmp_path, args, vision):
+    """multinode.py's two torchrun nodes in folders a and b, node 0 first (it hosts the store); their
+    processes and outputs once both have ended."""
     nodes = steps.command("multinode", args, nproc=2, port=(port := free_port()), root=REPO, vision=vision)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     procs = [popen(nodes[0], cwd=tmp_path / "a", **pipes)]
@@ -356,18 +344,41 @@ def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path
     finally:
         for proc in procs:
             kill_group(proc)
+    return procs, outs
+
+
+@pytest.mark.parametrize("case", ["differs", "does not fit"])
+def test_multinode_refusals_are_said_once_per_node_in_torchruns_summary(tmp_path, case):
+    """differs: node 0 finds a snapshot, node 1 (another folder: no shared storage) none: stop, do not train
+    apart; every process finds it, each node says it once. does not fit: both find a tiny run's snapshot,
+    given to the vision workload; node 0 says why, whole, node 1 that rank 0 could not resume. Each is said
+    as the error of that node's torchrun closing summary; nothing trains, nothing is written. Node 0 starts
+    first, so it hosts the rendezvous store (and holds rank 0): a node whose torchrun outlives the store's
+    may be told instead that it cannot reach it, which is torchrun's way whenever nodes fail together: the
+    two nodes start again then, up to 3 times, until node 1 has said it too."""
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+    run(example_cmd("single_gpu", 1, 1, "--snapshot_path", "snap.pt"), timeout=300, cwd=tmp_path / "a")
+    args = [2, 1, "--snapshot_path", "snap.pt"]
+    if case == "does not fit":
+        shutil.copy(tmp_path / "a" / "snap.pt", tmp_path / "b")
+        args += ["--dataset_size", 16]
+    before = {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")}
     if case == "differs":
-        said = ["argparse.ArgumentError: the nodes found different snapshots at snap.pt: share it"] * 2
+        message = "argparse.ArgumentError: the nodes found different snapshots at snap.pt: share it"
     else:
-        misfit = "argparse.ArgumentError: error: cannot resume from snap.pt: RuntimeError('Error(s) in load"
-        said = [misfit] * 2
-        assert 'Missing key(s) in state_dict: "conv1.weight"' in outs[0], outs[0][-3000:]
-    for node, (proc, out, message) in enumerate(zip(procs, outs, said, strict=True)):
-        assert proc.returncode and "| loss " not in out, out[-3000:]  # failed, nothing trained
-        lost = ("could not reach the rendezvous store", "was closed: another node ended the job")
-        lost_the_store = node == 1 and any(words in out for words in lost)
-        if not lost_the_store:
-            assert out.count(message) == 1 and f"  {message}" in out, out[-3000:]
+        message = "argparse.ArgumentError: error: cannot resume from snap.pt: RuntimeError('Error(s) in load"
+    lost = ("could not reach the rendezvous store", "was closed: another node ended the job")
+    for _ in range(3):  # node 1 says it once in 3 tries at most; a try where it lost the store says nothing
+        procs, outs = start_two_nodes(tmp_path, args, vision=case == "does not fit")
+        if case == "does not fit":
+            assert 'Missing key(s) in state_dict: "conv1.weight"' in outs[0], outs[0][-3000:]
+        for proc, out in zip(procs, outs, strict=True):
+            assert proc.returncode and "| loss " not in out, out[-3000:]  # failed, nothing trained
+        assert outs[0].count(message) == 1 and f"  {message}" in outs[0], outs[0][-3000:]
+        if not any(words in outs[1] for words in lost):
+            break
+    assert outs[1].count(message) == 1 and f"  {message}" in outs[1], outs[1][-3000:]
     assert {node: sorted(os.listdir(tmp_path / node)) for node in ("a", "b")} == before
 
 
