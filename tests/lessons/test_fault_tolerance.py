@@ -63,7 +63,7 @@ PROBE = SITES / "restart_probe"  # its sitecustomize kills a worker after the fi
 # hung; its absence is caught for certain: the lesson refuses to run without it, and the refusal test below
 # checks that the docstring's command sets it. RESTART_TRIALS=10 catches a hang in 2 of 5 with probability
 # above 99%. Rank 1 is lost in the same command twice more: the docs' block (the test after the next) and
-# make fault-demo's test, each also bit-identical to an uninterrupted run: 3 kills in all by default.
+# make fault-demo's test (bit-identical to an uninterrupted run there too): 3 kills in all by default.
 RESTART_TRIALS = int(os.environ.get("RESTART_TRIALS", "1"))
 
 
