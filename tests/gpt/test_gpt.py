@@ -268,20 +268,6 @@ def test_a_16_bit_comm_hook_keeps_replicas_identical_and_close_to_float32(tmp_pa
     assert 0 < max_diff(hooked, plain) < 2e-2
 
 
-def test_compiled_model_trains_like_eager_and_resumes_eagerly(tmp_path, cache):
-    """A compiled model trains like the eager one and its snapshot resumes eagerly."""
-    (tmp_path / "eager").mkdir()
-    steps = ["--max_steps", 6, "--batch_size", 8, "--eval_every", 6]
-    train(tmp_path / "eager", cache, *steps)
-    compiled_run = train(tmp_path, cache, *steps, "--compile")
-    compiled = saved(tmp_path)["model"]
-    eager = saved(tmp_path / "eager")["model"]
-    assert compiled.keys() == eager.keys()  # the plain model's names: no "_orig_mod." from torch.compile
-    assert max_diff(compiled, eager) < 1e-4, compiled_run.stdout[-2000:]
-    resumed = train(tmp_path, cache, "--max_steps", 8, "--batch_size", 8, "--eval_every", 6)
-    assert "resuming from gpt_snapshot at step 6" in resumed.stdout, resumed.stdout[-2000:]
-
-
 @pytest.mark.gpu
 def test_on_gpus_it_trains_in_bf16_and_reports_mfu(tmp_path, cache):
     args = ["--max_steps", 20, "--batch_size", 8, "--metrics_path", "m.jsonl", "--peak_tflops", 100]

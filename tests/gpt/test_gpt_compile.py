@@ -1,7 +1,8 @@
 """--compile: each block's forward compiled (parallel.apply_compile) in one process and under ddp, fsdp, tp
 and pp. By torch's own logs no frame falls back to eager: no graph break, and dynamo compiles the blocks'
-forward and nothing else; the compiled run ends where the eager one ends, under the same names. About 3
-minutes on 2 cores with inductor's cache warm (200 s measured), more when cold."""
+forward and nothing else; the compiled run ends where the eager one ends, under the same names, and in
+one process an eager run resumes from its snapshot. About 3 minutes on 2 cores with inductor's cache warm
+(200 s measured), more when cold."""
 
 import re
 from pathlib import Path
@@ -41,3 +42,6 @@ def test_each_block_compiles_without_a_graph_break_and_trains_as_eager(tmp_path,
     diff = max_diff(compiled, eager)
     print(f"{layout}: compiled and eager parameters {diff:.3g} apart after 5 steps")
     assert diff < 1e-5
+    if nproc is None:  # the compiled run's snapshot resumes in an eager one
+        resumed = train(tmp_path, cache, *args, "--max_steps", 6)  # the last value given counts
+        assert "resuming from gpt_snapshot at step 5" in resumed.stdout, resumed.stdout[-2000:]
