@@ -17,6 +17,7 @@ STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 ARGS = ["--n_layer", 4, "--n_head", 4, "--n_embd", 32, "--block_size", 16, "--eval_samples", 8]
 ARGS += ["--sample_chars", 0, "--grad_clip", 0, "--lr", 3e-3, "--warmup_steps", 0]
 COMBO_RE = re.compile(r"^COMBO (\S+) (trained|refused) (.*)$", re.M)
+VAL_RE = re.compile(r"\| val loss ([0-9.]+) \|")
 REPLICAS_RE = re.compile(r"torch\.float32 \| (replicas identical: \d+ copies|no weights are replicated) ")
 # bf16: a layout rounds in other places than one process does (FSDP's bf16 copies of the norms and the
 # embeddings, sums over other shares). Its weights after 20 steps must be far closer to one process's bf16
@@ -73,6 +74,10 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
         if dtype == "fp32":
             assert_close(mine, ref, tolerance=1e-5)
             print(f"{name}: {max_diff(mine['model'], ref['model']):.2g} from one process after 3 steps")
+            # the validation loss too: every process evaluates its share of the same samples
+            val = float(VAL_RE.search(rest).group(1))
+            ref_val = float(VAL_RE.search(one[1]["one-fp32"][1]).group(1))
+            assert abs(val - ref_val) < 1e-3, (name, val, ref_val)  # printed to 4 decimals
         else:
             scale = gap(ref["model"], saved(one[0] / "w1", "one-fp32")["model"])
             apart = gap(mine["model"], ref["model"])

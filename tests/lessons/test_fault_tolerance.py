@@ -429,10 +429,10 @@ def test_make_fault_demo_kills_a_worker_and_accounts_for_recovery(tmp_path):
 
     The restart a reader can watch: the documented command, rank 1 killed once the first snapshot is on
     disk, torchrun's restart, and a short account ending with the comparison to an uninterrupted run.
-    torch's error-file race (tests/programs/sites/error_file_race) kills the first attempt's agent: the demo says
-    so and runs once more, as it does when the race comes by itself. Mutation: without that second run,
-    the demo exits 1 ("torchrun did not restart the workers"). Epochs of 8,192 samples, a quarter of the
-    demo's own: 5 epochs after the snapshot still leave it seconds to kill rank 1 in."""
+    torch's error-file race (tests/programs/sites/error_file_race) kills the first attempt's agent: the
+    demo says so and runs once more, as it does when the race comes by itself. Mutation: without that
+    second run, the demo exits 1 ("torchrun did not restart the workers"). Epochs of 8,192 samples, a
+    quarter of the demo's own: 5 epochs after the snapshot still leave it seconds to kill rank 1 in."""
     make = ["make", "--no-print-directory", "-C", REPO, "fault-demo", f"RUNS={tmp_path}", f"VENV={VENV}"]
     make += ["FAULT_ARGS=--dataset_size 8192"]
     race = {"PYTHONPATH": str(SITES / "error_file_race"), "ERROR_FILE_RACE_MARK": str(tmp_path / "raced")}

@@ -1,14 +1,15 @@
-"""torchrun's worker environment for N ranks forked from this one process, which imports torch and the
-GPT trainer (examples/gpt/train.py, when the script's folder or PYTHONPATH has it) once: how the GPT tests start the runs whose subject is not the launcher (each
-process that imports torch costs 2-3 CPU seconds on 2 cores, and torchrun's agent and N workers are N + 1
-of them). Restarts, signals, torchrun's closing summary and rendezvous are torchrun's: those tests use it.
+"""torchrun's worker environment for N ranks forked from this one process, which imports torch and the GPT
+trainer (examples/gpt/train.py, when the script's folder or PYTHONPATH has it) once: how the GPT tests start
+the runs whose subject is not the launcher (each process that imports torch costs 2-3 CPU seconds on 2
+cores, and torchrun's agent and N workers are N + 1 of them). Restarts, signals, torchrun's closing summary
+and rendezvous are torchrun's: those tests use it.
 
     python forkrun.py --nproc-per-node=N SCRIPT ARGS...
 
 Each rank runs SCRIPT as __main__ with RANK, LOCAL_RANK, WORLD_SIZE and the rest set as torchrun sets them,
 and meets the others at a TCP store that this process hosts (TORCHELASTIC_USE_AGENT_STORE, as torchrun's
-agent does), on a port the system chose and held from the start. When a rank fails, the others get
-SIGTERM, then SIGKILL 10 s later; the exit status is the first failure's (128 + N for signal N), else 0."""
+agent does), on a port the system chose and held from the start. When a rank fails, the others get SIGTERM,
+then SIGKILL 10 s later; the exit status is the first failure's (128 + N for signal N), else 0."""
 
 import os
 import runpy

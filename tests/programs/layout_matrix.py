@@ -7,9 +7,9 @@ by a Trainer into its own snapshot folder, which the test compares with one proc
     torchrun --nproc-per-node W layout_matrix.py OUT MAX_DEGREE GLOBAL_BATCH STEPS -- TRAIN_ARGS...
 
 STEPS: {"fp32": 3, "bf16": 20, ...}, steps by --dtype. Rank 0 prints one line per combination, its name,
-then `trained`, the type of the residual stream between blocks in every process, the run's replica check
-and whether every process ran the after-backward hook once a micro-batch; or `refused` and argparse's
-message. Started by tests/gpt/test_gpt_layouts.py."""
+then `trained`, the type of the residual stream between blocks in every process, the run's replica check,
+its last validation loss and whether every process ran the after-backward hook once a micro-batch; or
+`refused` and argparse's message. Started by tests/gpt/test_gpt_layouts.py."""
 
 import contextlib
 import io
@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import config
@@ -96,10 +97,12 @@ def main():
             with contextlib.redirect_stdout(said):
                 trainer.train(stop)
             replicas = said.getvalue().strip().splitlines()[-1] if rank == 0 else ""
+            val = re.findall(r"^step \d+ \| val loss ([0-9.]+)$", said.getvalue(), re.M)[-1:]
             micro = args.pp_microbatches if args.layout.pp > 1 else args.grad_accum
             hooks = all(all_ranks(len(backwards) == args.max_steps * micro))
             residual = ",".join(sorted(set().union(*all_ranks(sorted(seen)))))
-            line = f"COMBO {name} trained {residual} | {replicas} | hooks once a micro-batch: {hooks}"
+            line = f"COMBO {name} trained {residual} | {replicas} | val loss {''.join(val)} | "
+            line += f"hooks once a micro-batch: {hooks}"
             del trainer
         if rank == 0:
             print(line, flush=True)
