@@ -6,7 +6,7 @@ import re
 import subprocess
 
 import pytest
-from helpers import EXAMPLES, TORCHRUN_LESSONS
+from helpers import EXAMPLES, PROGRAMS, SITES, TORCHRUN_LESSONS
 
 pytestmark = pytest.mark.quick
 
@@ -223,3 +223,11 @@ def test_the_recipes_read_like_the_lessons_and_refuse_as_they_do(name):
     assert not [node for node in ast.walk(ast.parse(source(name))) if isinstance(node, ast.NamedExpr)]
     for function in SHARED_TORCHRUN:
         assert functions(name)[function] == functions("multigpu_torchrun")[function], function
+
+
+def test_every_program_the_tests_start_has_its_line_in_the_index():
+    """tests/programs/README.md names every script and sitecustomize folder there, and nothing else.
+    Mutation: a program added without its line (or a line left for a program gone): fails naming it."""
+    files = {p.name for p in PROGRAMS.glob("*.py")} | {f"sites/{p.name}/" for p in SITES.iterdir()}
+    listed = set(re.findall(r"^\| `([^`]+)` \|", (PROGRAMS / "README.md").read_text(), re.M))
+    assert listed == files, (sorted(files - listed), sorted(listed - files))
