@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     EPOCH_RE,
     REPO,
@@ -135,22 +136,25 @@ class ComposeProject:
         """What the service printed, without Compose's prefixes."""
         return run(["docker", "logs", self.container(service)], timeout=60).stdout
 
-    def in_node(self, code, service="node1"):
-        """The output of Python code run in a fresh container of the service, with its view of the volume."""
-        return self("run", "--rm", "--no-deps", "--entrypoint", "python", service, "-c", code).stdout
+    def copy_out(self, path, service="node1"):
+        """A folder on this machine holding a copy of path (a file or a folder on the shared volume), taken
+        out of the service's container with docker cp: no container started (nor torch imported) to read
+        it, and the container may have stopped."""
+        folder = Path(tempfile.mkdtemp(prefix="ddp-volume-"))
+        run(["docker", "cp", f"{self.container(service)}:{path}", folder], timeout=120)
+        return folder / Path(path).name
+
+    def snapshot(self, path):
+        """The snapshot file at path on the shared volume, as torch loads it."""
+        copied = self.copy_out(path)
+        try:
+            return torch.load(copied, map_location="cpu", weights_only=True)
+        finally:
+            shutil.rmtree(copied.parent)
 
     def snapshot_epochs(self, path):
         """EPOCHS_RUN of the snapshot at path on the shared volume."""
-        code = f"import torch; print(torch.load({path!r}, weights_only=True)['EPOCHS_RUN'])"
-        return int(self.in_node(code).split()[-1])
-
-    def snapshot_weights(self, path):
-        """A digest of the model weights in the snapshot at path on the shared volume."""
-        code = (
-            f"import hashlib, torch; s = torch.load({path!r}, weights_only=True)['MODEL_STATE']; "
-            "print(hashlib.sha256(b''.join(v.numpy().tobytes() for _, v in sorted(s.items()))).hexdigest())"
-        )
-        return self.in_node(code).split()[-1]
+        return self.snapshot(path)["EPOCHS_RUN"]
 
     def down(self):
         self("--profile", "shaped", "down", "--volumes", "--remove-orphans", "--timeout", "5", check=False)
@@ -488,13 +492,14 @@ def test_gpt_across_two_containers(project):
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert "replicas identical: 4 copies" in proj.logs("node0"), proj.logs("node0")[-3000:]
     snapshot = SNAPSHOTS["gpt"]  # a directory: PATH/latest names the newest complete step's folder
-    code = (
-        f"import pathlib, torch; p = pathlib.Path({snapshot!r}); d = p / (p / 'latest').read_text().strip(); "
-        "print(torch.load(d / 'extra.pt', weights_only=True)['step'])"
-    )
-    assert int(proj.in_node(code).split()[-1]) == 20
+    copied = proj.copy_out(snapshot)
+    newest = copied / (copied / "latest").read_text().strip()
+    assert torch.load(newest / "extra.pt", weights_only=True)["step"] == 20
     # the run's metrics on the volume, served by the tensorboard profile's container
-    logged = [json.loads(line) for line in proj.in_node(METRICS_CODE).splitlines() if line.startswith("{")]
+    metrics = proj.copy_out(METRICS)
+    logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
+    shutil.rmtree(copied.parent)
+    shutil.rmtree(metrics.parent)
     losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
     assert sorted(losses) == list(range(10, 21, 10)), logged  # the preset's log line every 10 steps
     port = proj.env["TENSORBOARD_PORT"] = str(free_port())
@@ -507,7 +512,7 @@ def test_gpt_across_two_containers(project):
         proj("--profile", "tensorboard", "rm", "--stop", "--force", "tensorboard", check=False)
 
 
-METRICS_CODE = "print(open('/snapshots/gpt-metrics/metrics.jsonl').read())"
+METRICS = "/snapshots/gpt-metrics/metrics.jsonl"
 
 
 @SLOW
