@@ -4,6 +4,7 @@ files import are tests/helpers.py's."""
 
 import os
 import shutil
+import subprocess
 import time
 
 import helpers
@@ -19,6 +20,7 @@ from helpers import (
     SESSION_VAR,
     example_cmd,
     leftover_processes,
+    once_per_session,
     run,
     session_dir,
     session_root,
@@ -29,14 +31,20 @@ pytest_plugins = ["costs"]
 
 
 @pytest.fixture(scope="session")
-def single_gpu_reference(tmp_path_factory):
+def single_gpu_reference():
     """(folder, output) of single_gpu.py run from a copy alone in an empty folder (so nothing else can be
-    imported), REFERENCE_EPOCHS epochs of the global batch REFERENCE_BATCH, a snapshot every 2."""
-    folder = tmp_path_factory.mktemp("single_gpu")
-    script = shutil.copy(EXAMPLES / "single_gpu.py", folder)
-    args = [REFERENCE_EPOCHS, 2, "--batch_size", REFERENCE_BATCH, *REFERENCE_ARGS]
-    proc = run(example_cmd("single_gpu", *args, script=script), timeout=300, cwd=folder, env=EXIT_PROBE)
-    return folder, proc
+    imported), REFERENCE_EPOCHS epochs of the global batch REFERENCE_BATCH, a snapshot every 2: once in
+    the session, for every worker."""
+
+    def make(folder):
+        script = shutil.copy(EXAMPLES / "single_gpu.py", folder)
+        args = [REFERENCE_EPOCHS, 2, "--batch_size", REFERENCE_BATCH, *REFERENCE_ARGS]
+        return run(
+            example_cmd("single_gpu", *args, script=script), timeout=300, cwd=folder, env=EXIT_PROBE
+        ).stdout
+
+    folder, out = once_per_session("single_gpu_reference", make)
+    return folder, subprocess.CompletedProcess([], 0, out)
 
 
 # ---- session hooks: the bound of each test, processes left alive, skips that CI does not allow ----

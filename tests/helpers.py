@@ -373,6 +373,21 @@ def session_dir(name):
     return folder
 
 
+def once_per_session(name, make):
+    """(folder, make(folder)) with make run once in the session, in session_dir(name), by whichever worker
+    asks first while the others wait on a lock; its result (JSON) is kept there for them. A make that
+    fails keeps nothing: the next to ask tries again, and fails as a test of its own."""
+    folder = session_dir(name)
+    result = folder / "result.json"
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            made = json.dumps(make(folder))
+            result.with_suffix(".tmp").write_text(made)
+            result.with_suffix(".tmp").rename(result)
+    return folder, json.loads(result.read_text())
+
+
 def session_root():
     return Path(tempfile.gettempdir()) / f"ddp-test-{os.environ[SESSION_VAR]}"
 

@@ -2,15 +2,18 @@
 --pp_schedule, --parallel zero, --dtype) on 4 processes (degrees up to 4: the 1-D and 2-D forms) and on 8
 (degrees up to 2: the 3-D forms) trains and ends where one process ends, or is refused before step 1 in one
 line. The space is read from the options by tests/programs/layout_matrix.py, which trains each combination
-in one torchrun launch per world size; the 40-step equality of one layout of each shape is
-test_gpt_model_parallel.py's. About 6 minutes on 2 cores."""
+in one launch per world size (the two on both workers, one process's run shared by them): about 6 minutes
+of 2 cores, the suite's costliest file, since the space is the subject; bf16 needs its 20 steps (see
+BF16_SHARE)."""
 
 import json
 import re
 
 import pytest
 from gpt_helpers import assert_close, max_diff, saved
-from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, run
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, once_per_session, run
+
+pytestmark = pytest.mark.spread  # the two world sizes on both workers, sharing one process's run
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout
@@ -43,10 +46,10 @@ def matrix(tmp_path, cache, world, most):
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, cache):
-    """One process through the same program: fp32 and bf16 (fp16 is refused without a GPU)."""
-    path = tmp_path_factory.mktemp("one")
-    return path, matrix(path, cache, 1, 1)
+def one(cache):
+    """One process through the same program: fp32 and bf16 (fp16 is refused without a GPU); once in the
+    session, for both world sizes, whichever worker runs them."""
+    return once_per_session("layout-matrix-one", lambda folder: matrix(folder, cache, 1, 1))
 
 
 @pytest.mark.parametrize(("world", "most"), [(4, 4), (8, 2)])
