@@ -3,9 +3,9 @@
 Each test's wall seconds (setup, call and teardown) and the CPU seconds of the processes it started and
 waited for (its children: torchrun and its workers, make, Docker's client; not what runs inside a container)
 reach the session that started the workers; `make test` ends with the 30 costliest tests and the total of
-each file. Tests go to the workers in groups, a file each unless the file is marked `spread` (each of its
-tests a group of its own, so that both workers carry it); the costliest groups first, by tests/costs.json,
-the record of a whole run's group totals. `RECORD_COSTS=1 make test` rewrites the record from the run."""
+each file. Tests go to the workers in groups, a file each, but for the files in SPREAD, whose tests go one
+by one so that both workers carry them; the costliest groups first, by tests/costs.json, the record of a
+whole run's group totals. `RECORD_COSTS=1 make test` rewrites the record from the run."""
 
 import json
 import os
@@ -23,24 +23,34 @@ def children_cpu():
     return usage.ru_utime + usage.ru_stime
 
 
-def group(item):
-    """The unit of work a worker takes: the test's file (relative to tests/), or the test under `spread`."""
-    tests = Path(__file__).parent
-    file = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else item.path.name
-    return f"{file}::{item.name}" if item.get_closest_marker("spread") else file
+# the files whose tests the workers take one by one: the costliest, each test its own subject
+SPREAD = ("deploy/test_docker.py", "gpt/test_gpt_layouts.py")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "spread: the file's tests go to the workers one by one")
+def group(nodeid):
+    """The unit of work a worker takes: the test's file (relative to tests/), or the test in SPREAD."""
+    test = nodeid.split("@")[0].removeprefix("tests/")
+    file = test.split("::")[0]
+    return test if file in SPREAD else file
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist appends the group to each test's id
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, each scope a group() (its loadgroup marks no longer reach its
+    scheduler under pytest 9.2, which keeps a test's id where pytest-xdist cannot amend it)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group(nodeid)
+
+    return Groups(config, log)
+
+
 def pytest_collection_modifyitems(items):
     """Costliest group first (a group the record lacks comes last); each file keeps its own order."""
     recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: -recorded.get(group(item), 0))
+    items.sort(key=lambda item: -recorded.get(group(item.nodeid), 0))
 
 
 _start_key = pytest.StashKey[float]()
@@ -56,7 +66,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     if call.when == "teardown" and _start_key in item.stash:
         cpu = children_cpu() - item.stash[_start_key]
-        outcome.get_result().user_properties += [("children_cpu", cpu), ("group", group(item))]
+        outcome.get_result().user_properties += [("children_cpu", cpu), ("group", group(item.nodeid))]
 
 
 def pytest_runtest_logreport(report):

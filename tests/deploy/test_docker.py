@@ -47,7 +47,7 @@ from test_compose_files import (
     resolved,
 )
 
-pytestmark = [pytest.mark.docker, pytest.mark.spread]
+pytestmark = pytest.mark.docker
 
 __all__ = ["compose"]  # the Compose client fixture of test_compose_files.py
 

@@ -13,8 +13,6 @@ import pytest
 from gpt_helpers import assert_close, max_diff, saved
 from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, once_per_session, run
 
-pytestmark = pytest.mark.spread  # the two world sizes on both workers, sharing one process's run
-
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout
 ARGS = ["--n_layer", 4, "--n_head", 4, "--n_embd", 32, "--block_size", 16, "--eval_samples", 8]
