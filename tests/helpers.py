@@ -9,6 +9,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -374,14 +375,15 @@ def session_dir(name):
 
 
 def once_per_session(name, make):
-    """(folder, make(folder)) with make run once in the session, in session_dir(name), by whichever worker
-    asks first while the others wait on a lock; its result (JSON) is kept there for them. A make that
-    fails keeps nothing: the next to ask tries again, and fails as a test of its own."""
-    folder = session_dir(name)
-    result = folder / "result.json"
-    with open(folder / ".lock", "w") as lock:
+    """(folder, make(folder)) with make run once in the session, in an empty folder, by whichever worker
+    asks first while the others wait on a lock; its result (JSON) is kept beside the folder for them. A
+    make that fails keeps nothing: the next to ask tries again, and fails as a test of its own."""
+    folder, result = session_dir(name) / "made", session_dir(name) / "result.json"
+    with open(session_dir(name) / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not result.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
             made = json.dumps(make(folder))
             result.with_suffix(".tmp").write_text(made)
             result.with_suffix(".tmp").rename(result)
