@@ -1,10 +1,10 @@
 """The GPT trainer's whole layout space: every combination its options accept (each mesh dimension's degree,
---pp_schedule, --parallel zero, --dtype) on 4 processes (degrees up to 4: the 1-D and 2-D forms) and on 8
-(degrees up to 2: the 3-D forms) trains and ends where one process ends, or is refused before step 1 in one
-line. The space is read from the options by tests/programs/layout_matrix.py, which trains each combination
-in one launch per world size (the two on both workers, one process's run shared by them): about 6 minutes
-of 2 cores, the suite's costliest file, since the space is the subject; bf16 needs its 20 steps (see
-BF16_SHARE)."""
+--pp_schedule, --parallel zero, --dtype; bf16 pairwise with the rest) on 4 processes (degrees up to 4: the
+1-D and 2-D forms) and on 8 (degrees up to 2: the 3-D forms) trains and ends where one process ends, or is
+refused before step 1 in one line. The space is read from the options by tests/programs/layout_matrix.py,
+which trains each combination in one launch per world size (the two on both workers, one process's run
+shared by them): about 6 minutes of 2 cores, the suite's costliest file, since the space is the subject;
+bf16 needs its 20 steps (see BF16_SHARE)."""
 
 import json
 import re

@@ -45,14 +45,21 @@ def choices(option):
 
 
 def combinations(world, most, batch, steps):
-    """(name, argv) of each combination; the global batch is the same in all."""
+    """(name, argv) of each combination; the global batch is the same in all. float32: every shape with
+    every schedule and both --parallel choices; the 16-bit types pairwise: every shape, and each pipeline
+    shape with one schedule in turn, so that each schedule meets each type (their 20 steps are the cost)."""
     dtypes = {}  # one name per type the choices resolve to here (auto: fp32 on a CPU)
     for name in sorted(choices("--dtype"), key=lambda n: n == "auto"):
         dtypes.setdefault(parallel.resolve_dtype(name, torch.device("cpu")), name)
+    pipelines = 0
     for shape in degrees(world, most):
         schedules = choices("--pp_schedule") if shape["pp"] > 1 else [None]
+        turn = schedules[pipelines % len(schedules)]
+        pipelines += shape["pp"] > 1
         dp = shape["dp_replicate"] * shape["dp_shard"]
         for schedule, zero, dtype in itertools.product(schedules, (False, True), dtypes.values()):
+            if dtype != dtypes[torch.float32] and schedule != turn:
+                continue
             argv = [f"--{name}={size}" for name, size in shape.items()]
             argv += [f"--batch_size={batch // dp}", f"--pp_microbatches={shape['pp']}"]
             argv += [] if schedule is None else [f"--pp_schedule={schedule}"]
