@@ -23,8 +23,9 @@ def children_cpu():
     return usage.ru_utime + usage.ru_stime
 
 
-# the files whose tests the workers take one by one: the costliest, each test its own subject
-SPREAD = ("deploy/test_docker.py", "gpt/test_gpt_layouts.py")
+# the files whose tests the workers take one by one: the costliest, whose tests share little or share it
+# once_per_session (helpers.py), so that no worker is left with a whole one at the end
+SPREAD = ("deploy/test_docker.py", "gpt/test_gpt_layouts.py", "lessons/test_examples.py")
 
 
 def group(nodeid):
@@ -47,10 +48,23 @@ def pytest_xdist_make_scheduler(config, log):
     return Groups(config, log)
 
 
+# a test whose recorded wall time reached this in a whole run is marked slow (make test-fast leaves it out)
+SLOW_SECONDS = 30
+
+
+def recorded():
+    """The record of a whole run: {"groups": {group: wall seconds}, "tests": {test: wall seconds}}."""
+    return json.loads(RECORD.read_text()) if RECORD.exists() else {"groups": {}, "tests": {}}
+
+
 def pytest_collection_modifyitems(items):
-    """Costliest group first (a group the record lacks comes last); each file keeps its own order."""
-    recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    items.sort(key=lambda item: -recorded.get(group(item.nodeid), 0))
+    """Costliest group first (a group the record lacks comes last), each file in its own order; a test the
+    record gives SLOW_SECONDS or more is marked slow."""
+    record = recorded()
+    for item in items:
+        if record["tests"].get(item.nodeid.removeprefix("tests/"), 0) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -record["groups"].get(group(item.nodeid), 0))
 
 
 _start_key = pytest.StashKey[float]()
@@ -101,11 +115,15 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def record():
-    """tests/costs.json: each group's wall seconds in this run; groups that did not run keep theirs."""
-    recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    groups = {}
-    for wall, _, name in _costs.values():
+    """tests/costs.json from this run: each group's and each test's wall seconds; those that did not run
+    keep theirs."""
+    kept = recorded()
+    groups, tests = {}, {}
+    for test, (wall, _, name) in _costs.items():
+        tests[test.removeprefix("tests/")] = round(wall, 1)
         if name is not None:
             groups[name] = groups.get(name, 0.0) + wall
-    recorded.update({name: round(wall, 1) for name, wall in groups.items()})
-    RECORD.write_text(json.dumps(dict(sorted(recorded.items(), key=lambda g: -g[1])), indent=1) + "\n")
+    kept["groups"].update({name: round(wall, 1) for name, wall in groups.items()})
+    kept["tests"].update(tests)
+    by_cost = {part: dict(sorted(kept[part].items(), key=lambda g: -g[1])) for part in ("groups", "tests")}
+    RECORD.write_text(json.dumps(by_cost, indent=1) + "\n")

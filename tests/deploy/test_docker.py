@@ -256,7 +256,9 @@ def test_every_lesson_and_the_gpt_run_in_the_image_from_bytecode(image):
     """Every lesson and the GPT trainer run in the image from its bytecode.
 
     Each lesson (Ray's has its own image) and the GPT trainer train in the image; Python loads
-    the venv's and the examples' bytecode compiled at build time, and no process writes into the venv."""
+    the venv's and the examples' bytecode compiled at build time, and no process writes into the venv.
+
+    Over a minute: every lesson, one after another, in one container (80 s in a whole run)."""
     name = f"ddp-lessons-{os.getpid()}"
     script = "set -e; " + "".join(f"echo '>>> {cmd}'; python {cmd}; " for cmd in IN_IMAGE).replace(
         "python torchrun", "torchrun"
@@ -403,7 +405,9 @@ def test_gpt_variant_runs_the_gpt_trainer(compose):
 @SLOW
 def test_ray_across_two_containers(project, ray_image):
     """Plain `up` with compose/ray.yaml: a Ray head on node0 and a worker node on node1 train with 2 workers
-    each; when training ends both containers exit, with status 0, none left waiting."""
+    each; when training ends both containers exit, with status 0, none left waiting.
+
+    Over a minute: a Ray cluster across two containers starts, trains and stops (60 s in a whole run)."""
     proj = project(VARIANTS["ray-cpu"], DDP_RAY_IMAGE=ray_image)
     start = time.monotonic()
     proc = proj("up", timeout=900, check=False)
@@ -519,7 +523,9 @@ METRICS = "/snapshots/gpt-metrics/metrics.jsonl"
 def test_a_paused_node_is_named_by_the_hang_report(project):
     """node1 freezes mid-run (its processes stopped with SIGSTOP, as `docker compose pause` does through the
     cgroup freezer, which can fail on a busy host): node0's processes wait --dist_timeout, dump their stacks
-    on the shared volume, and the report, run as the compose file says, names node1's processes as silent."""
+    on the shared volume, and the report, run as the compose file says, names node1's processes as silent.
+
+    Over a minute: the job starts, node1 is paused, node0 waits its --dist_timeout and dumps (70 s)."""
     proj = project(VARIANTS["gpt-cpu"], GPT_STEPS=2000, GPT_SAVE_EVERY=1000, GPT_DIST_TIMEOUT=15)
     proj("up", "-d")
     deadline = time.monotonic() + 300
@@ -577,7 +583,10 @@ def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project,
     and ends with the weights of an uninterrupted run, and the account says so. As root, node1's main
     process dies first (a crash, or the OOM killer): Docker restarts the container by itself
     (compose/elastic.yaml); then `docker kill node1`, which Docker treats as a deliberate stop, and
-    `compose start node1`. Each time torchrun restarts node0's processes and both nodes meet again."""
+    `compose start node1`. Each time torchrun restarts node0's processes and both nodes meet again.
+
+    Over a minute: two failures, each a container restarted and a new rendezvous, then an uninterrupted
+    run to compare with (100 s in a whole run)."""
     crash = os.geteuid() == 0  # killing a container's process from the host needs root
     job, reference = project(VARIANTS["elastic-cpu"]), project(CPU)  # names of this run, removed after
     options = f"--project {job.name} --reference_project {reference.name}" + (" --crash" if crash else "")
@@ -637,7 +646,9 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
     node1. node1 is killed mid-run: node0 trains on alone, never restarts, resumes or goes back; node1 started
     again takes node0's live state and goes on from a later epoch than the one it was killed in; both end at
     the last epoch with identical weights, every container exits 0 (the lighthouse stops by itself), and the
-    lighthouse's status page answers on the port published on the host while the groups train."""
+    lighthouse's status page answers on the port published on the host while the groups train.
+
+    Over a minute: a quorum every step, node1 killed and started again, 24 epochs (90 s in a whole run)."""
     job, port = project(("compose/torchft.yaml",)), free_port()  # a name of this run, removed after
     make = ["make", "--no-print-directory", "-C", REPO, "two-node-torchft", f"IMAGE={image}"]
     options = f"--project {job.name} --port {port} --epochs {TORCHFT_EPOCHS}"

@@ -52,6 +52,8 @@ def one(cache):
 
 @pytest.mark.parametrize(("world", "most"), [(4, 4), (8, 2)])
 def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path, cache, one, world, most):
+    """Over a minute: every combination of its world size, 4 or 8 processes on 2 cores (2.5 min each in a
+    whole run); bf16 needs its 20 steps."""
     combos = matrix(tmp_path, cache, world, most)
     dtypes = {name.rsplit("-", 1)[1] for name in combos}
     assert dtypes == {"fp32", "bf16", "fp16"}, dtypes  # auto is fp32 on a CPU

@@ -47,7 +47,9 @@ def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache
 
 
 def test_the_benchmark_compares_every_strategy_with_ddp(tmp_path, cache):
-    """The benchmark compares every strategy with DDP at the same global batch."""
+    """The benchmark compares every strategy with DDP at the same global batch.
+
+    Over a minute: one torchrun launch per strategy, as the benchmark runs them (2 min in a whole run)."""
     choices = next(
         a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
     ).choices

@@ -28,6 +28,7 @@ from helpers import (
     free_port,
     kill_group,
     load_snapshot,
+    once_per_session,
     popen,
     run,
     run_together,
@@ -54,17 +55,24 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, single_gpu_reference):
-    """Each example trained once, from a copy alone in an empty folder (so nothing else can be imported)."""
+def runs(single_gpu_reference):
+    """Each example trained once, from a copy alone in an empty folder (so nothing else can be imported):
+    once in the session, for both workers (this file's tests go to both)."""
+
+    def make(folder):
+        outs = {}
+        for name in DDP_EXAMPLES:
+            (folder / name).mkdir()
+            script = shutil.copy(EXAMPLES / f"{name}.py", folder / name)
+            args = [EPOCHS, 2, "--batch_size", BATCH, *COMMON]
+            cmd = example_cmd(name, *args, nproc=NPROC, script=script)
+            outs[name] = run(cmd, timeout=300, cwd=folder / name, env=EXIT_PROBE).stdout
+        return outs
+
+    folder, outs = once_per_session("lesson_runs", make)
     results = {"single_gpu": Run("single_gpu", *single_gpu_reference)}
     for name in DDP_EXAMPLES:
-        folder = tmp_path_factory.mktemp(name)
-        script = shutil.copy(EXAMPLES / f"{name}.py", folder)
-        batch = BATCH * NPROC if name == "single_gpu" else BATCH
-        args = [EPOCHS, 2, "--batch_size", batch, *COMMON]
-        cmd = example_cmd(name, *args, nproc=NPROC, script=script)
-        proc = run(cmd, timeout=300, cwd=folder, env=EXIT_PROBE)
-        results[name] = Run(name, folder, proc)
+        results[name] = Run(name, folder / name, subprocess.CompletedProcess([], 0, outs[name]))
     return results
 
 
@@ -228,7 +236,9 @@ def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
     commands and the losses they print: run each (2 of its epochs: the first two do not depend on the total)
     and compare, to one unit in the sixth digit the lessons print. MKL picks its kernels by the CPU's
     instruction set: on an AVX-512 machine `--nproc 4 --lr 0.2` printed 0.000103048 for the page's
-    0.000103047 (AVX2; MKL_CBWR=AVX2 gave it back there). Mutation: the page's 2.10244 as 2.10254: fails."""
+    0.000103047 (AVX2; MKL_CBWR=AVX2 gave it back there). Mutation: the page's 2.10244 as 2.10254: fails.
+
+    Over a minute: the five commands the page quotes (65 s in a whole run)."""
     text = (REPO / "docs" / "lessons.md").read_text()
     section = text.split("## Why the first epochs differ")[1].split("\n## ")[0]
     rows = []

@@ -6,6 +6,8 @@ TINY = ["--batch_size", "4", "--momentum", "0.9"]
 
 
 def test_trains_on_synthetic_images(tmp_path):
+    """ResNet-18 on synthetic images trains: the loss halves in 3 epochs. Over a minute: 96 steps of
+    ResNet-18 on 2 cores, the fewest in which its loss halves (65 s in a whole run)."""
     cmd = example_cmd("single_gpu", 3, 3, *TINY, "--dataset_size", "128", vision=True)
     log = TrainLog(run(cmd, timeout=600, cwd=tmp_path).stdout)  # ResNet-18 on 32x32 images: 96 steps
     assert log.epochs == [1, 2, 3]

@@ -2,11 +2,12 @@
 
 import ast
 import difflib
+import json
 import re
 import subprocess
 
 import pytest
-from helpers import EXAMPLES, PROGRAMS, SITES, TORCHRUN_LESSONS
+from helpers import EXAMPLES, PROGRAMS, REPO, SITES, TORCHRUN_LESSONS
 
 pytestmark = pytest.mark.quick
 
@@ -231,3 +232,20 @@ def test_every_program_the_tests_start_has_its_line_in_the_index():
     files = {p.name for p in PROGRAMS.glob("*.py")} | {f"sites/{p.name}/" for p in SITES.iterdir()}
     listed = set(re.findall(r"^\| `([^`]+)` \|", (PROGRAMS / "README.md").read_text(), re.M))
     assert listed == files, (sorted(files - listed), sorted(listed - files))
+
+
+def test_a_test_over_a_minute_in_the_record_says_why():
+    """Every test that took 60 s or more in the record of a whole run (tests/costs.json) says why in its
+    docstring, in a sentence that opens "Over a minute". Mutation: one of those sentences removed: fails,
+    naming the test."""
+    record = json.loads((REPO / "tests" / "costs.json").read_text())["tests"]
+    silent = []
+    for test, seconds in record.items():
+        path, name = test.split("::")[0], test.split("::")[-1].split("[")[0]
+        if seconds < 60 or not (REPO / "tests" / path).exists():
+            continue
+        tree = ast.parse((REPO / "tests" / path).read_text())
+        found = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name]
+        if found and "Over a minute" not in (ast.get_docstring(found[0]) or ""):
+            silent.append(f"{test}: {seconds} s")
+    assert not silent, silent
