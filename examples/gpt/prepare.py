@@ -328,8 +328,8 @@ def encode(spec, texts, workers=None):
     """The ids of each (text, last) piece, in order, as numpy arrays: encoded in `workers`
     processes (the cores by default), with at most two pieces a worker in flight."""
     workers = workers or len(os.sched_getaffinity(0))
-    if workers == 1:
-        start_worker(spec)
+    if workers == 1:  # here, in this process: its signal handlers and threads stay as they are
+        WORKER["tokenizer"] = tok.from_str(spec, "the tokenizer being prepared")
         yield from map(encode_piece, texts)
         return
     # forked workers encode a piece each, without threads: tokenizers' own stay off (and silent

@@ -11,6 +11,7 @@ import os
 import pty
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -163,6 +164,19 @@ def test_a_file_read_in_pieces_encodes_as_the_whole_file(monkeypatch):
     assert tok.BPETokenizer.train([piece for piece, _ in pieces], 600).to_str() == whole.to_str()
     ids = torch.cat([whole.encode(piece) for piece, _ in pieces])
     assert torch.equal(ids, whole.encode(text))
+
+
+def test_encoding_in_this_process_leaves_its_signal_handlers():
+    """prepare.encode with one worker encodes in the calling process, and leaves its Ctrl-C and SIGTERM
+    handlers as they were: it once set the pool workers' (SIGINT ignored) there, and a whole run's Ctrl-C
+    test then found its lesson deaf to Ctrl-C, since the test process passed the ignored SIGINT on to
+    every process it started. Mutation: start_worker(spec) in the one-worker path: fails."""
+    prepare_mod, tok = import_gpt_module("prepare"), import_gpt_module("tokenizer")
+    spec = tok.BPETokenizer.train(["some text to encode, and more text"], 300).to_str()
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    ids = list(prepare_mod.encode(spec, [("some text", True)], workers=1))
+    assert len(ids) == 1 and len(ids[0]) > 1
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_the_encoding_pool_ends_where_sigterm_is_only_noted():
