@@ -128,6 +128,8 @@ def test_ray_equals_single_process_with_the_global_batch(uninterrupted, single_g
 
 
 def test_a_stopped_run_resumes_to_the_bits_of_an_uninterrupted_one(cluster, uninterrupted, tmp_path):
+    """A Ray run stopped after 2 epochs and run again ends on the uninterrupted run's bits. Over a minute:
+    it waits for the session's cluster and its uninterrupted run, then trains twice (60 s in a whole run)."""
     text, snapshot = uninterrupted
     args = ["--batch_size", BATCH, "--nproc", NPROC, *COMMON]
     first = train(tmp_path, 2, 2, *args, address=cluster.address)
