@@ -4,6 +4,7 @@ files import are tests/helpers.py's."""
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -70,6 +71,14 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    # A test run in this process may leave Ctrl-C or SIGTERM ignored or blocked here, and every process the
+    # next tests start would inherit it (whole runs found a lesson deaf to Ctrl-C, and prepare's pool
+    # workers deaf to their pool's SIGTERM): each test starts from the signal state a shell gives.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     timeout = pytest_timeout._get_item_settings(item).timeout
     helpers.deadline[0] = time.monotonic() + timeout if timeout else float("inf")
 
