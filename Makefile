@@ -321,7 +321,7 @@ test: $(ENV) ## run the test suite (about 35 min on 2 CPU cores; see test-quick;
 test-quick: $(ENV) ## the tests marked quick: the lessons and the README's commands (about 5 min on 2 cores)
 	$(LOADED) $(PYTEST) -m quick $(TEST_ARGS)
 
-test-fast: $(ENV) ## all but the Docker, Slurm, demo and slow tests (about 15 min on 2 cores)
+test-fast: $(ENV) ## all but the Docker, Slurm, demo and slow tests (about 20 min on 2 cores)
 	$(LOADED) $(PYTEST) -m "not docker and not slurm and not demo and not slow" $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check
