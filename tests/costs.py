@@ -30,7 +30,7 @@ SPREAD = ("deploy/test_docker.py", "gpt/test_gpt_layouts.py", "lessons/test_exam
 
 def group(nodeid):
     """The unit of work a worker takes: the test's file (relative to tests/), or the test in SPREAD."""
-    test = nodeid.split("@")[0].removeprefix("tests/")
+    test = nodeid.removeprefix("tests/")
     file = test.split("::")[0]
     return test if file in SPREAD else file
 
@@ -85,7 +85,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_runtest_logreport(report):
     """In the session that started the workers (or the only one): every phase's report of every test."""
-    cost = _costs.setdefault(report.nodeid.split("@")[0], [0.0, 0.0, None])
+    cost = _costs.setdefault(report.nodeid, [0.0, 0.0, None])
     properties = dict(report.user_properties)
     cost[0] += report.duration
     cost[1] += properties.get("children_cpu", 0.0)
