@@ -30,6 +30,7 @@ import signal
 import sys
 import sysconfig
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -335,23 +336,30 @@ def encode(spec, texts, workers=None):
     # forked workers encode a piece each, without threads: tokenizers' own stay off (and silent
     # about the fork), torch's are one
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers, start_worker, (spec,)) as pool:
+    fork = multiprocessing.get_context("fork")
+    # an early end (the reader stopped, or failed) cancels the pieces not started and waits for the ones
+    # being encoded: a worker is never killed (one killed while it wrote its result left the pool's
+    # reader waiting for the rest forever), and a worker that dies fails the run instead of hanging it
+    with ProcessPoolExecutor(workers, fork, initializer=start_worker, initargs=(spec,)) as pool:
         pending = collections.deque()
-        for text in texts:
-            pending.append(pool.apply_async(encode_piece, (text,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for text in texts:
+                pending.append(pool.submit(encode_piece, text))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 WORKER = {}  # a worker process's tokenizer
 
 
 def start_worker(spec):
-    # the pool ends its workers with SIGTERM: it must kill them, also where the parent notes SIGTERM
-    # (the trainer's preempt.StopRequest, inherited in the fork: a worker waiting on the pool's lock
-    # then waited forever, and so did the parent); Ctrl-C is the parent's to handle
+    # a SIGTERM sent to every process (Slurm's) ends a worker, where the parent's handler, copied in the
+    # fork, would only note it (the trainer's preempt.StopRequest); Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)

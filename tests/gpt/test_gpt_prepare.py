@@ -179,15 +179,15 @@ def test_encoding_in_this_process_leaves_its_signal_handlers():
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
-def test_the_encoding_pool_ends_where_sigterm_is_only_noted():
-    """prepare's worker processes end when their pool ends, also in a process whose SIGTERM handler only
-    notes the signal (the trainer's): forked, they inherited it, and a worker waiting on the pool's lock
-    outlived the pool's SIGTERM, so the pool waited for it forever (a CI run's layout matrix, preparing
-    its corpus after its StopRequest, hung so). 50 rounds, each bounded by 30 s. Mutation: the workers
-    keep the inherited handler -> a round hangs in the pool's join, and the test fails (measured: 2 runs of
-    100 rounds both hung, as did this test once; with the fix 3 runs of 100 rounds ended)."""
-    proc = run([PYTHON, PROGRAMS / "pool_stop.py", 50, 30], timeout=240, check=False, env=GPT_ON_PATH)
-    assert proc.returncode == 0 and "every pool ended, 50 rounds" in proc.stdout, proc.stdout[-3000:]
+def test_the_encoding_pool_ends_when_its_reader_stops_early():
+    """prepare's worker processes end when their reader stops early (a failure or Ctrl-C in the trainer),
+    also in a process whose SIGTERM handler only notes the signal (the trainer's). 200 rounds, each bounded
+    by 10 s, about 10 s in all. It once hung (a CI run's layout matrix preparing its corpus): the pool
+    stopped its workers with SIGTERM, which a worker not yet started only noted, and a worker killed while
+    it wrote its result left the pool's reader waiting for the rest. Mutation: the old multiprocessing.Pool,
+    ended by its terminate(): 2 runs of 200 rounds, both hung."""
+    proc = run([PYTHON, PROGRAMS / "pool_stop.py", 200, 10], timeout=240, check=False, env=GPT_ON_PATH)
+    assert proc.returncode == 0 and "every pool ended, 200 rounds" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):

@@ -22,7 +22,7 @@ def main():
         pieces = prepare.encode(spec, [("abc" * 1000, True)] * 50, workers=2)
         for _ in range(3):
             next(pieces)
-        pieces.close()  # the pool's end: its workers stopped with SIGTERM
+        pieces.close()  # the reader stops early: the pool ends
         faulthandler.cancel_dump_traceback_later()
     print(f"every pool ended, {rounds} rounds", flush=True)
 
