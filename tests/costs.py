@@ -53,7 +53,8 @@ SLOW_SECONDS = 30
 
 
 def recorded():
-    """The record of a whole run: {"groups": {group: wall seconds}, "tests": {test: wall seconds}}."""
+    """The record of a whole run: {"groups": {group: wall seconds}, "tests": {test: wall seconds},
+    "cpu": {test: its children's CPU seconds}}."""
     return json.loads(RECORD.read_text()) if RECORD.exists() else {"groups": {}, "tests": {}}
 
 
@@ -115,15 +116,18 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def record():
-    """tests/costs.json from this run: each group's and each test's wall seconds; those that did not run
-    keep theirs."""
-    kept = recorded()
-    groups, tests = {}, {}
-    for test, (wall, _, name) in _costs.items():
+    """tests/costs.json from this run: each group's and each test's wall seconds, and each test's children's
+    CPU seconds ("cpu"); those that did not run keep theirs."""
+    kept = {"cpu": {}, **recorded()}
+    groups, tests, cpu = {}, {}, {}
+    for test, (wall, children, name) in _costs.items():
         tests[test.removeprefix("tests/")] = round(wall, 1)
+        cpu[test.removeprefix("tests/")] = round(children, 1)
         if name is not None:
             groups[name] = groups.get(name, 0.0) + wall
     kept["groups"].update({name: round(wall, 1) for name, wall in groups.items()})
     kept["tests"].update(tests)
-    by_cost = {part: dict(sorted(kept[part].items(), key=lambda g: -g[1])) for part in ("groups", "tests")}
+    kept["cpu"].update(cpu)
+    parts = ("groups", "tests", "cpu")
+    by_cost = {part: dict(sorted(kept[part].items(), key=lambda g: -g[1])) for part in parts}
     RECORD.write_text(json.dumps(by_cost, indent=1) + "\n")
