@@ -44,12 +44,12 @@ class StepProfiler:
         with open(path) as f:
             times = breakdown(json.load(f))
         overlap = times["overlapped"] / times["collectives"] if times["collectives"] else 0.0
-        print(
+        line = (
             f"[rank {self.rank}] steps {self.first}-{self.last} traced to {path}: compute "
             f"{times['compute']:.1f} ms, collectives {times['collectives']:.1f} ms, of which "
-            f"{times['overlapped']:.1f} ms ({overlap:.0%}) overlapped compute",
-            flush=True,
+            f"{times['overlapped']:.1f} ms ({overlap:.0%}) overlapped compute\n"
         )
+        print(line, end="", flush=True)  # one write with its newline: every rank's line shares the output
 
 
 def is_collective(event):
