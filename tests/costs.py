@@ -19,8 +19,15 @@ _costs = {}  # test id -> [wall seconds, children's CPU seconds]
 
 
 def children_cpu():
+    """The CPU seconds of the processes this one waited for, and of the runs that tests/gpt's fork server
+    (tests/programs/forkserver.py) made for it (which reach this process's count only when the server ends,
+    as this total leaves it)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    try:
+        served = float(Path(os.environ["FORKSERVER"] + ".cpu").read_text())
+    except (KeyError, OSError, ValueError):
+        served = 0.0
+    return usage.ru_utime + usage.ru_stime + served
 
 
 # the files whose tests the workers take one by one: the costliest, whose tests share little or share it

@@ -4,7 +4,8 @@ The corpus cache every run reads is tests/gpt/conftest.py's fixture `cache`."""
 import os
 import re
 
-from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PYTHON, REPO, TORCHRUN, import_gpt_module, run
+from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module
+from helpers import run as run_as_is
 
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
@@ -12,6 +13,25 @@ BENCH_GPT = REPO / "benchmarks" / "gpt_throughput.py"
 TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
 TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)
+
+
+FORKSERVER = PROGRAMS / "forkserver.py"
+# What the fork server adds to the session's environment (tests/gpt/conftest.py): each rank's one thread
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+# What Python, torch and the libraries under it read when they start: a command line whose environment differs
+# from the server's here runs as it is (the trainer's folder on PYTHONPATH excepted: the server adds it)
+AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "LD_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_")
+
+
+def run(cmd, *, env=None, **kwargs):
+    """helpers.run, with a Python command line ([PYTHON, SCRIPT, ARGS...]) run by the session's fork server
+    (tests/programs/forkserver.py), which has imported torch and the trainer once, where env lets it."""
+    served = "FORKSERVER" in os.environ and cmd[0] == PYTHON and not str(cmd[1]).startswith("-")
+    for key, value in (env or {}).items():
+        if key == "PYTHONPATH" and value == GPT_ON_PATH["PYTHONPATH"]:
+            continue
+        served = served and not (key.startswith(AT_START) and SERVER_ENV.get(key) != value)
+    return run_as_is([PYTHON, "-I", "-S", FORKSERVER, *cmd[1:]] if served else cmd, env=env, **kwargs)
 
 
 def train(cwd, cache, *args, nproc=None, script=None, torchrun=False, timeout=600, check=True, env=None):

@@ -27,6 +27,7 @@ from gpt_helpers import (
     assert_stopped_and_resumed_ends_bit_identical,
     files,
     max_diff,
+    run,
     saved,
     train,
 )
@@ -39,7 +40,6 @@ from helpers import (
     REPO,
     TORCHRUN,
     import_gpt_module,
-    run,
     start_torchrun_agent,
 )
 

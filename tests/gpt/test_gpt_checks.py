@@ -11,8 +11,8 @@ import re
 
 import pytest
 import torch
-from gpt_helpers import TRAIN, saved, train
-from helpers import PYTHON, import_gpt_module, run
+from gpt_helpers import TRAIN, run, saved, train
+from helpers import PYTHON, import_gpt_module
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import json
 import re
 
 import pytest
-from gpt_helpers import assert_close, max_diff, saved
-from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, once_per_session, run
+from gpt_helpers import assert_close, max_diff, run, saved
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, once_per_session
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout

@@ -14,8 +14,8 @@ import re
 
 import pytest
 import torch
-from gpt_helpers import max_diff, saved, train
-from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, import_gpt_module, run
+from gpt_helpers import max_diff, run, saved, train
+from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, import_gpt_module
 
 # global batch 16 in every run: 1 x 16, 2 processes x 2 sequences x 4 micro-batches, ...
 STEPS = [

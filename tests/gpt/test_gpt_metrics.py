@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from gpt_helpers import train
+from gpt_helpers import run, train
 from helpers import (
     PROGRAMS,
     PYTHON,
@@ -16,7 +16,6 @@ from helpers import (
     import_gpt_module,
     kill_group,
     popen,
-    run,
     wait_for_json,
 )
 

@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-from gpt_helpers import TINY, TRAIN
-from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module, run
+from gpt_helpers import TINY, TRAIN, run
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module
 from torch.distributed import checkpoint as dcp
 
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)

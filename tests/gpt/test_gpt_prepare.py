@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gpt_helpers import GPT, TINY, TRAIN, train
+from gpt_helpers import GPT, TINY, TRAIN, run, train
 from helpers import (
     FORKRUN,
     GPT_ON_PATH,
@@ -30,7 +30,6 @@ from helpers import (
     doc_block,
     free_port,
     import_gpt_module,
-    run,
     run_together,
 )
 

@@ -16,15 +16,16 @@ from gpt_helpers import (
     assert_identical,
     import_gpt_module,
     max_diff,
+    run,
     saved,
     train,
 )
-from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, free_port, run
+from helpers import EXAMPLES, GPT_ON_PATH, PROGRAMS, PYTHON, free_port
 from torch.distributed import checkpoint as dcp
 
 EXPORT = GPT / "export.py"
 # --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
-STEPS = ["--max_steps", 40, "--save_every", 20, "--sample_chars", 0, "--grad_clip", 0]
+STEPS = ["--max_steps", 20, "--save_every", 10, "--sample_chars", 0, "--grad_clip", 0]
 ON_2 = ["--batch_size", 12]
 
 
@@ -46,7 +47,7 @@ def assert_same_optimizer(a, b):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache):
-    """40 steps on 2 processes under each strategy, global batch 24; snapshots as one process holds them."""
+    """20 steps on 2 processes under each strategy, global batch 24; snapshots as one process holds them."""
     out = {}
     for strategy in ("one", "ddp", "zero", "fsdp"):
         cwd = tmp_path_factory.mktemp(strategy)
@@ -75,21 +76,21 @@ def test_fsdp_on_2_ranks_equals_ddp_and_keeps_the_tied_matrix_one(runs):
     (ddp, _), (fsdp, log) = runs["ddp"], runs["fsdp"]
     # no parameter is held by two processes: nothing to compare, and no full gather to do it
     assert "no weights are replicated across processes in this layout" in log, log[-2000:]
-    assert fsdp["step"] == 40 and fsdp["model"].keys() == ddp["model"].keys()
+    assert fsdp["step"] == 20 and fsdp["model"].keys() == ddp["model"].keys()
     # the tied matrix stayed one parameter in training: AdamW state for the embedding, none for the head
     snapshot = runs["fsdp_dir"] / "gpt_snapshot"
     with open(next(snapshot.glob("step-*/.metadata")), "rb") as f:
         saved = import_gpt_module("snapshots.checkpoint").MetadataUnpickler(f).load().state_dict_metadata
     assert "optimizer.state.tok_emb.weight.exp_avg" in saved
     assert not [key for key in saved if key.startswith("optimizer.state.head.")], sorted(saved)
-    print(f"fsdp vs ddp, 40 steps: max parameter difference {max_diff(ddp['model'], fsdp['model']):.3g}")
+    print(f"fsdp vs ddp, 20 steps: max parameter difference {max_diff(ddp['model'], fsdp['model']):.3g}")
     assert max_diff(ddp["model"], fsdp["model"]) < 1e-4
     assert_close(fsdp, runs["one"][0])
 
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory, cache):
-    """fsdp on 2 processes, process 0 killed while saving step 40: the snapshot of step 20 remains."""
+    """fsdp on 2 processes, process 0 killed while saving step 20: the snapshot of step 10 remains."""
     cwd = tmp_path_factory.mktemp("crashed")
     wrapper = PROGRAMS / "crash_at_save.py"
     proc = train(cwd, cache, *STEPS, *ON_2, "--parallel", "fsdp", nproc=2, script=wrapper, check=False)
@@ -99,7 +100,7 @@ def crashed(tmp_path_factory, cache):
 
 def test_a_crash_mid_save_leaves_the_previous_snapshot(crashed):
     steps = sorted(p.name for p in crashed.glob("step-*"))  # (hang/: the survivor's stack, lost its peer)
-    assert [name[:13] for name in steps] == ["step-00000020", "step-00000040"], steps
+    assert [name[:13] for name in steps] == ["step-00000010", "step-00000020"], steps
     assert (crashed / "latest").read_text().strip() == steps[0]
     assert (crashed / steps[1] / ".metadata").exists()  # the new shards are all there, but not pointed at
 
@@ -114,18 +115,18 @@ def test_resume_on_another_number_of_processes(tmp_path, cache, crashed, runs, n
     assert "resuming" not in proc.stdout  # (train.py's message; the wrapper resumes silently)
     # the state as loaded by this many processes is the state 2 processes saved
     before, after = exported(tmp_path / "gpt_snapshot"), exported(tmp_path / "resaved")
-    assert before["step"] == 40  # the resumed run went on to the end
+    assert before["step"] == 20  # the resumed run went on to the end
     saved = exported(crashed)
-    assert saved["step"] == after["step"] == 20
+    assert saved["step"] == after["step"] == 10
     assert_identical(saved["model"], after["model"])
     assert_same_optimizer(saved["optimizer"], after["optimizer"])
     assert len(after["rng"]) == (nproc or 1)
-    # the partial step-40 directory is gone, replaced by the resumed run's own; step 20 kept (--keep 2)
+    # the partial step-20 directory is gone, replaced by the resumed run's own; step 10 kept (--keep 2)
     steps = sorted(p.name for p in (tmp_path / "gpt_snapshot").glob("step-*"))
-    assert [name[:13] for name in steps] == ["step-00000020", "step-00000040"], steps
+    assert [name[:13] for name in steps] == ["step-00000010", "step-00000020"], steps
     assert steps[1] not in {p.name for p in crashed.iterdir()}
     diff = max_diff(runs["fsdp"][0]["model"], before["model"])
-    print(f"fsdp 2 -> {nproc or 1} processes at step 20, then to 40: {diff:.3g} from the uninterrupted run")
+    print(f"fsdp 2 -> {nproc or 1} processes at step 10, then to 20: {diff:.3g} from the uninterrupted run")
     assert diff < 1e-4
 
 
@@ -134,7 +135,7 @@ def test_the_exported_file_resumes_as_a_single_file_snapshot(tmp_path, cache, cr
     # one process: --parallel zero is plain AdamW there, as the other strategies are
     args = ["--batch_size", 24, "--parallel", "zero", "--init_from", "gpt_snapshot.pt"]
     proc = train(tmp_path, cache, *STEPS, *args)
-    assert "resuming from gpt_snapshot.pt at step 20" in proc.stdout, proc.stdout[-2000:]
+    assert "resuming from gpt_snapshot.pt at step 10" in proc.stdout, proc.stdout[-2000:]
     assert "1 process(es) on cpu" in proc.stdout
     assert max_diff(runs["fsdp"][0]["model"], saved(tmp_path)["model"]) < 1e-4
 

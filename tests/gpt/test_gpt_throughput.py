@@ -6,8 +6,8 @@ import json
 import re
 
 import pytest
-from gpt_helpers import BENCH_GPT, train
-from helpers import PYTHON, REPO, import_gpt_module, run
+from gpt_helpers import BENCH_GPT, run, train
+from helpers import PYTHON, REPO, import_gpt_module
 
 
 def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache):

@@ -1,7 +1,7 @@
-"""Runs train.py, but SIGKILLs process 0 when it is about to write extra.pt of the step-40 snapshot: every
-process has written its shards by then, and the pointer still names step 20.
+"""Runs train.py, but SIGKILLs process 0 when it is about to write extra.pt of its second snapshot: every
+process has written its shards by then, and the pointer still names the first.
 
-Started by tests/gpt/test_gpt_sharding.py."""
+Started by tests/gpt/test_gpt_sharding.py and test_gpt_model_parallel.py."""
 
 import os
 import runpy
@@ -11,10 +11,12 @@ import sys
 from snapshots import checkpoint
 
 save_file = checkpoint.save_file
+saves = []
 
 
 def dying_save(path, state):
-    if state["step"] == 40:
+    saves.append(state["step"])
+    if len(saves) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     save_file(path, state)
 
