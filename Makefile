@@ -269,7 +269,7 @@ doctor: DOCTOR_ARGS += $(if $(COLLECT_ENV),--collect_env)
 doctor: $(ENV) ## check this machine: versions, GPUs, backends, network, ENDPOINT (NODES: all-reduce across them)
 	$(PY) tools/doctor.py$(DOCTOR_ARGS)
 
-# FAULT_ARGS: demos/fault.py's options (--dataset_size, --timeout)
+# FAULT_ARGS: demos/fault.py's options (--dataset_size, --timeout, --rank)
 FAULT_ARGS ?=
 fault-demo: $(ENV) ## kill a torchrun worker after a snapshot, watch the run resume, compare (fault-tolerance.md)
 	$(PY) demos/fault.py --dir $(RUNS)/fault-demo $(FAULT_ARGS)

@@ -1,7 +1,8 @@
 """examples/multigpu_ray.py on Ray clusters on this machine (harness/ray_local.py), 2 CPU workers on gloo.
 
-`make ray` starts a cluster, trains and stops it; the other runs share one cluster (about 3 s to start here,
-30 s on a loaded machine) from a copy of the script alone in an empty folder. 70 to 100 s in all.
+`make ray` starts a cluster, trains and stops it; a run given no address starts one for itself (ray.init());
+the other runs share one cluster (about 3 s to start here, 30 s on a loaded machine), each from a copy of the
+script alone in an empty folder. 70 to 100 s in all.
 """
 
 import re
@@ -75,30 +76,6 @@ def train(folder, *args, address, check=True, env=None):
     return run(cmd, timeout=300, cwd=folder, check=check, env=env)
 
 
-def test_without_an_address_a_cluster_is_started_and_stopped(tmp_path):
-    """Without an address a cluster is started for the run and stopped after.
-
-    `python multigpu_ray.py 2 1`, no --address, no RAY_ADDRESS, no cluster: as ray.init() does, a Ray
-    cluster starts on this machine for the run and is gone when the script ends."""
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
-    try:  # (a short path: Ray's socket names must fit in 107 bytes)
-        proc = train(
-            tmp_path,
-            2,
-            1,
-            "--nproc",
-            NPROC,
-            address=None,
-            env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp},
-        )  # HOME: the token such a cluster saves in ~/.ray stays in that folder too
-        log = log_of(proc.stdout)
-        assert "Started a local Ray instance" in proc.stdout, proc.stdout[-3000:]
-        assert log.epochs == [1, 2] and sorted(log.ranks) == list(range(NPROC)), proc.stdout[-3000:]
-        assert not leftovers(proc.stdout, folder=ray_tmp)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
 def test_make_ray_trains_on_a_cluster_it_starts_and_stops(uninterrupted):
     text, snapshot = uninterrupted
     log = log_of(text)
@@ -128,12 +105,26 @@ def test_ray_equals_single_process_with_the_global_batch(uninterrupted, single_g
 
 
 def test_a_stopped_run_resumes_to_the_bits_of_an_uninterrupted_one(cluster, uninterrupted, tmp_path):
-    """A Ray run stopped after 2 epochs and run again ends on the uninterrupted run's bits. Over a minute:
-    it waits for the session's cluster and its uninterrupted run, then trains twice (60 s in a whole run)."""
+    """A Ray run stopped after 2 epochs and run again ends on the uninterrupted run's bits.
+
+    The first run is `python multigpu_ray.py 4 2` with no --address, no RAY_ADDRESS and no cluster: as
+    ray.init() does, a Ray cluster starts on this machine for the run and is gone when the script ends. The
+    second joins the session's cluster, named by RAY_ADDRESS. Over a minute: it waits for the session's
+    cluster and its uninterrupted run, then trains twice, starting a cluster for the first (60 s in a whole
+    run)."""
     text, snapshot = uninterrupted
     args = ["--batch_size", BATCH, "--nproc", NPROC, *COMMON]
-    first = train(tmp_path, 2, 2, *args, address=cluster.address)
-    assert log_of(first.stdout).epochs == [1, 2]
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # its own: no cluster started before is found
+    try:  # (a short path: Ray's socket names must fit in 107 bytes)
+        alone = {"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp}  # HOME: ~/.ray's token there too
+        first = train(tmp_path, 2, 2, *args, address=None, env=alone)
+        assert "Started a local Ray instance" in first.stdout, first.stdout[-3000:]
+        assert log_of(first.stdout).epochs == [1, 2] and sorted(log_of(first.stdout).ranks) == list(
+            range(NPROC)
+        )
+        assert not leftovers(first.stdout, folder=ray_tmp)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     second = train(tmp_path, EPOCHS, 2, *args, address=None, env={"RAY_ADDRESS": cluster.address})
     assert "Started a local Ray instance" not in second.stdout, "RAY_ADDRESS names the cluster to join"
     resumed = log_of(second.stdout)
