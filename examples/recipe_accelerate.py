@@ -108,6 +108,7 @@ class Trainer:
 
     def _save(self, path):
         self.accelerator.save_state(f"{path}.tmp")  # model, optimizer, scaler, random states
+        self.accelerator.wait_for_everyone()  # every process's random state is in PATH.tmp before it moves
         if self.accelerator.is_main_process:
             with open(f"{path}.tmp/progress.json", "w") as file:
                 json.dump([self.steps_run, self.best, self.loss_sum], file)
