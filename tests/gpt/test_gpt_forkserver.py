@@ -40,7 +40,7 @@ def gone(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(") ", 1)[1].startswith("Z")  # ended, not yet reaped
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between it and the read
         return True
 
 
