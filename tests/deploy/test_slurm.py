@@ -241,7 +241,7 @@ def test_job_resumes_after_a_training_process_dies(slurm_env, tmp_path):
     state, _, output = submit_and_wait(
         slurm_env,
         tmp_path,
-        ["6", "1", "--dataset_size", "40000"],
+        ["3", "1", "--dataset_size", "40000"],
         {"SNAPSHOT_PATH": snapshot},
         while_running=kill_one_after_first_epoch,
     )
@@ -249,5 +249,5 @@ def test_job_resumes_after_a_training_process_dies(slurm_env, tmp_path):
     assert state == "COMPLETED", output[-4000:]
     assert "resuming from" in output, output[-4000:]
     log = TrainLog(output)
-    assert log.epochs[-1] == 6, output[-4000:]
+    assert log.epochs[-1] == 3, output[-4000:]
     log.assert_trained(world_size=NODES * PROCS_PER_NODE)

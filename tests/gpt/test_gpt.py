@@ -286,9 +286,20 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
     assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 15, 30)
 
 
+# torchrun's grace for the stalled process before it kills it (asleep: the SIGTERM it notes waits for a
+# step it never reaches): 5 s here, not torchrun's 30, which would add 25 s of waiting to each test below
+STALLED = [
+    *TORCHRUN,
+    "--standalone",
+    "--nproc-per-node=2",
+    "--shutdown-timeout=5",
+    PROGRAMS / "stall.py",
+    TRAIN,
+]
+
+
 def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "stall.py", TRAIN]
-    cmd += ["--cache_dir", cache, *TINY, "--max_steps", 5, "--dist_timeout", 5]
+    cmd = [*STALLED, "--cache_dir", cache, *TINY, "--max_steps", 5, "--dist_timeout", 5]
     start = time.monotonic()
     proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=GPT_ON_PATH)
     seconds = time.monotonic() - start
@@ -307,16 +318,7 @@ def test_a_connection_a_peer_closed_is_reported_with_every_stack(tmp_path, cache
     """A paused node: the first process to time out closes its connections, and the other's collective
     fails `Connection closed by peer`; that one must still dump and ask the others (a Docker test's report
     once lacked its stack), and say what it lost."""
-    cmd = [
-        *TORCHRUN,
-        "--standalone",
-        "--nproc-per-node=2",
-        PROGRAMS / "stall.py",
-        TRAIN,
-        "--cache_dir",
-        cache,
-    ]
-    cmd += [*TINY, "--max_steps", 5, "--dist_timeout", 60]
+    cmd = [*STALLED, "--cache_dir", cache, *TINY, "--max_steps", 5, "--dist_timeout", 60]
     env = {**GPT_ON_PATH, "STALL_LOSES": "1"}  # process 0's collective fails: the peer closed it
     proc = run(cmd, timeout=300, check=False, cwd=tmp_path, env=env)
     assert proc.returncode != 0, proc.stdout[-2000:]
