@@ -4,6 +4,7 @@ torchrun --standalone --nproc-per-node=2 recipe.py 10 5 [--precision fp32 --grad
 """
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -22,27 +23,28 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STOP = []  # the signals this process got
+NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
 
 
 class Augmented(TensorDataset):  # training images, shifted by up to a pixel and noised
+    seed, epoch = 0, 0  # set before each epoch, read in every loader worker
+
     def __getitem__(self, index):
         image, label = super().__getitem__(index)
-        # numpy's random numbers: torch seeds them in each worker
-        dy, dx = numpy.random.randint(0, 3, size=2)
+        # its own random numbers in this epoch, whatever the processes and workers
+        random = numpy.random.default_rng([self.seed, self.epoch, index])
+        dy, dx = random.integers(0, 3, size=2)
         image = nn.functional.pad(image, (1, 1, 1, 1))[:, dy : dy + 8, dx : dx + 8]
-        return image + torch.tensor(numpy.random.normal(0, 0.1, image.shape), dtype=torch.float32), label
+        return image + torch.tensor(random.normal(0, 0.1, image.shape), dtype=torch.float32), label
 
 
-def quiet_worker(worker_id):  # a signal is the rank's to handle: it stops its workers
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
-
-
-def seed_epoch(loader, seed, epoch, rank, world_size):
-    """Augmentations of their own in each rank, worker and epoch, the same in every run."""
-    loader.sampler.set_epoch(epoch)  # the order: the same in every rank
-    seed = seed + rank + world_size * epoch
-    loader.generator = torch.Generator().manual_seed(seed)  # each worker's seed comes from it
-    numpy.random.seed(seed)  # for --workers 0: augmented in this process
+@contextlib.contextmanager
+def signals_held():  # loader workers started meanwhile never get them: the rank acts on them
+    signal.pthread_sigmask(signal.SIG_BLOCK, NAMES)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
 
 
 class Trainer:
@@ -53,10 +55,24 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # no underflow
         self.dtype = DTYPES[args.precision]
         self.steps_per_epoch = len(train_data) // args.grad_accum
-        # steps taken, best validation loss, this epoch's loss summed over every process
+        # a step's size: a snapshot taken mid-epoch resumes on the same only
+        self.layout = [self.world_size, args.batch_size, args.grad_accum]
         state = load_snapshot(args.snapshot_path, model, optimizer, self.scaler, device)
-        self.steps_run, self.best, self.loss_sum = state
-        self.model = DDP(model.to(device))
+        if state["steps"] and state["layout"] != self.layout:
+            was, now = (" x ".join(map(str, layout)) for layout in (state["layout"], self.layout))
+            refuse(
+                f"error: {args.snapshot_path} stopped mid-epoch on {was} (processes x batch_size x "
+                f"grad_accum), not {now}: resume it so, or move it away to start again"
+            )
+        # epochs done, steps done of the next, best val loss, this epoch's summed loss
+        self.epochs_run, self.steps_run = state["epochs"], state["steps"]
+        self.best, self.loss_sum = state["best"], state["loss_sum"]
+        if state["epochs"] or state["steps"]:
+            self._print(f"resuming from {args.snapshot_path}: {self._progress()}")
+        unused = len(train_data) % args.grad_accum
+        if unused:  # an epoch ends where a whole step does not fit
+            self._print(f"note: {unused} of each process's {len(train_data)} micro-batches go unused")
+        self.model = DDP(model)
 
     def _forward(self, source, targets, reduction="mean"):
         source, targets = source.to(self.device, non_blocking=True), targets.to(self.device)
@@ -67,7 +83,7 @@ class Trainer:
     def _backward(self, source, targets, parts):
         loss = self._forward(source, targets)[0] / parts
         self.scaler.scale(loss).backward()
-        return loss.detach()  # a tensor: reading it here would wait for the GPU every micro-batch
+        return loss.detach()  # a tensor: read here, it would wait for the GPU
 
     def _run_step(self, batches):
         loss = 0.0
@@ -81,13 +97,14 @@ class Trainer:
         return loss
 
     def _run_epoch(self, epoch):
-        seed_epoch(self.train_data, self.args.seed, epoch, self.rank, self.world_size)
-        done = self.steps_run - epoch * self.steps_per_epoch  # before a stop
-        batches = iter(self.train_data)
+        self.train_data.sampler.set_epoch(epoch)  # the order, alike in every process
+        self.train_data.dataset.epoch = epoch  # the augmentations
+        with signals_held():
+            batches = iter(self.train_data)  # its workers start
         for step in range(self.steps_per_epoch):
             micro = [next(batches) for _ in range(self.args.grad_accum)]
-            if step < done:
-                continue  # read again, so that the augmentations after it repeat
+            if step < self.steps_run:
+                continue  # done before a stop
             loss = self._run_step(micro)
             self.steps_run += 1
             stop = torch.tensor(len(STOP), dtype=torch.float64, device=self.device)
@@ -104,7 +121,7 @@ class Trainer:
         places = torch.arange(len(self.val_data.sampler), device=self.device) * self.world_size
         reals = (self.rank + places < len(self.val_data.dataset)).split(self.args.batch_size)
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), signals_held():  # its workers start in the loop
             for batch, real in zip(self.val_data, reals, strict=True):
                 losses, logits, targets = self._forward(*batch, reduction="none")
                 totals[0] += losses[real].double().sum()
@@ -118,15 +135,26 @@ class Trainer:
 
     def _save(self, path):
         if self.rank == 0:
-            state = [self.steps_run, self.best, self.loss_sum]
+            state = {"epochs": self.epochs_run, "steps": self.steps_run, "layout": self.layout}
+            state.update(best=self.best, loss_sum=self.loss_sum)
             save_snapshot(path, self.model.module, self.optimizer, self.scaler, state)
 
+    def _progress(self):
+        done = f"{self.epochs_run} epochs already run"
+        return done + (
+            f", and {self.steps_run} steps of epoch {self.epochs_run + 1}" if self.steps_run else ""
+        )
+
     def train(self):
-        self._print(f"step {self.steps_run} | {self._validate()[1]}")
         path, total = self.args.snapshot_path, self.args.total_epochs
-        for epoch in range(self.steps_run // self.steps_per_epoch, total):
+        where = f"before epoch {self.epochs_run + 1}"
+        if self.epochs_run >= total:
+            where = "nothing to train"
+        self._print(f"{where} | {self._validate()[1]}")
+        for epoch in range(self.epochs_run, total):
             stopping = self._run_epoch(epoch)
-            if self.steps_run % self.steps_per_epoch == 0:  # the epoch's end
+            if self.steps_run == self.steps_per_epoch:  # the epoch's end
+                self.epochs_run, self.steps_run = epoch + 1, 0
                 train_loss, self.loss_sum = self.loss_sum / (self.steps_per_epoch * self.world_size), 0.0
                 loss, line = self._validate()
                 self._print(f"epoch {epoch + 1}/{total} | train_loss {train_loss:.6g} | {line}")
@@ -138,8 +166,9 @@ class Trainer:
             if stopping:
                 self._save(path)
                 why = (STOP or ["a signal to another process"])[0]
-                saved = f"saved in {path}: the same command resumes"
-                return self._print(f"stopped by {why} at step {self.steps_run}, {saved}")
+                return self._print(
+                    f"stopped by {why}, saved in {path}: the same command resumes, {self._progress()}"
+                )
 
     def _print(self, line):
         if self.rank == 0:  # one process logs and saves for all
@@ -150,22 +179,26 @@ class Trainer:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
+    if "LOCAL_RANK" in os.environ:
+        parser.error = refuse  # said once, by local rank 0
+    args = get_args(parser)  # python alone: --help, or argparse's own usage and error
     if "LOCAL_RANK" not in os.environ:
         parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
-    parser.error = refuse
-    args = get_args(parser)
-    for signum in [signal.SIGTERM, signal.SIGINT]:  # noted; acted on at the next step
-        signal.signal(signum, lambda signum, frame: STOP.append(signal.Signals(signum).name))
+    for signum in NAMES:  # noted; acted on at the next step
+        signal.signal(signum, lambda signum, frame: STOP.append(NAMES[signum]))
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
+    if args.precision is None:  # bf16, but fp16 on a GPU before Ampere
+        old_gpu = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
+        args.precision = "fp16" if old_gpu else "bf16"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, val_set, model, optimizer = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     pin = device.type == "cuda"  # pinned memory: a faster copy to the GPU
-    loading = {"num_workers": args.workers, "worker_init_fn": quiet_worker, "pin_memory": pin}
+    loading = {"num_workers": args.workers, "pin_memory": pin}
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, **loading)
     val_sampler = DistributedSampler(val_set, shuffle=False)
     val_data = DataLoader(val_set, args.batch_size, sampler=val_sampler, **loading)
@@ -189,17 +222,20 @@ def get_args(parser):
     parser.add_argument("--batch_size", type=int, default=32, help="per process and micro-batch")
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step")
     parser.add_argument("--lr", type=float, default=0.01)
-    old_gpu = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
-    parser.add_argument("--precision", choices=DTYPES, default="fp16" if old_gpu else "bf16")
+    parser.add_argument("--precision", choices=DTYPES, help="default: bf16 (fp16 before Ampere)")
     parser.add_argument("--workers", type=int, default=2, help="loader processes a rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshot_path", default="recipe_snapshot.pt", help="and its _best.pt")
     args = parser.parse_args()
-    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr"]:
+    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr", "timeout"]:
         if not 0 < getattr(args, key) < math.inf:
             parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
-    if args.workers < 0:
-        parser.error(f"workers must be 0 or more, got {args.workers}")
+    for key in ["workers", "seed"]:
+        if getattr(args, key) < 0:
+            parser.error(f"{key} must be 0 or more, got {getattr(args, key)}")
+    folder = os.path.dirname(args.snapshot_path) or "."  # now, not at the first save
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        parser.error(f"snapshot_path: no folder {folder} to write in; create it or give another")
     return args
 
 
@@ -211,6 +247,7 @@ def load_train_objs(args):
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
     val, train = order[:359], order[359:]  # of the 1,797 images
     train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])
+    train_set.seed = args.seed
     torch.manual_seed(args.seed)
     layers = [nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
     layers += [nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten()]
@@ -226,8 +263,9 @@ def save_snapshot(path, model, optimizer, scaler, state):
 
 
 def load_snapshot(path, model, optimizer, scaler, device):
+    model.to(device)  # first: the optimizer's state goes where its parameters are
     if not os.path.exists(path):
-        return 0, math.inf, 0.0
+        return {"epochs": 0, "steps": 0, "best": math.inf, "loss_sum": 0.0, "layout": None}
     try:
         snapshot = torch.load(path, map_location=device, weights_only=True)  # data only, no code
         model.load_state_dict(snapshot["MODEL_STATE"])
@@ -235,8 +273,6 @@ def load_snapshot(path, model, optimizer, scaler, device):
         scaler.load_state_dict(snapshot["SCALER_STATE"])
     except Exception as exc:
         refuse(f"error: cannot resume from {path}: {exc!r}. Move it away to start again.")
-    if dist.get_rank() == 0:
-        print(f"resuming from {path}: {snapshot['STATE'][0]} steps already run")
     return snapshot["STATE"]
 
 

@@ -286,16 +286,7 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(tmp_path, cache):
     assert_stopped_and_resumed_ends_bit_identical(tmp_path, cache, args, 15, 30)
 
 
-# torchrun's grace for the stalled process before it kills it (asleep: the SIGTERM it notes waits for a
-# step it never reaches): 5 s here, not torchrun's 30, which would add 25 s of waiting to each test below
-STALLED = [
-    *TORCHRUN,
-    "--standalone",
-    "--nproc-per-node=2",
-    "--shutdown-timeout=5",
-    PROGRAMS / "stall.py",
-    TRAIN,
-]
+STALLED = [*TORCHRUN, "--standalone", "--nproc-per-node=2", PROGRAMS / "stall.py", TRAIN]
 
 
 def test_a_stalled_process_fails_the_run_within_dist_timeout(tmp_path, cache):

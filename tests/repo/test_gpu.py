@@ -112,6 +112,17 @@ def test_resume_on_the_gpus_ends_where_an_uninterrupted_run_ends(runs, tmp_path)
     torch.testing.assert_close(actual["MODEL_STATE"], expected["MODEL_STATE"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["single_gpu", *DDP_EXAMPLES, "recipe", "recipe_accelerate"])
+def test_each_script_stops_and_resumes_on_one_gpu(tmp_path, name):
+    """Every lesson, the recipe and its twin: one epoch on one GPU, then the same command to two resumes
+    from the snapshot and trains epoch 2 (the recipe's optimizer state loaded beside its weights on the GPU,
+    where a first step mixing devices would fail)."""
+    args = [] if name.startswith("recipe") else ["--batch_size", BATCH, *COMMON]
+    run(example_cmd(name, 1, 1, *args, nproc=1), timeout=300, cwd=tmp_path, env=GPU_ENV)
+    resumed = run(example_cmd(name, 2, 1, *args, nproc=1), timeout=300, cwd=tmp_path, env=GPU_ENV).stdout
+    assert "resuming from " in resumed and "epoch 2/2 " in resumed, resumed[-3000:]
+
+
 def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
     too_many = GPUS + 1
     spawn = run([PYTHON, EXAMPLES / "multigpu.py", 1, 1, "--nproc", too_many], timeout=120, check=False,

@@ -213,12 +213,12 @@ RECIPES = ["recipe", "recipe_accelerate"]
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_recipes_read_like_the_lessons_and_refuse_as_they_do(name):
-    """At most 250 lines, a mean of at most 60 characters a line, under 5% of lines of 100 or more, no
+    """At most 300 lines, a mean of at most 60 characters a line, under 5% of lines of 100 or more, no
     walrus; refuse() and the __main__ block identical to multigpu_torchrun.py's, so that a refusal is said
     once under torchrun. Mutation: a line added to recipe.py's refuse() -> it drifted, this fails."""
     lines = source(name).splitlines()
     filled = [line for line in lines if line.strip()]
-    assert len(lines) <= 250, len(lines)
+    assert len(lines) <= 300, len(lines)
     assert sum(map(len, filled)) / len(filled) <= 60
     assert sum(len(line) >= 100 for line in lines) <= 0.05 * len(lines)
     assert not [node for node in ast.walk(ast.parse(source(name))) if isinstance(node, ast.NamedExpr)]
