@@ -157,8 +157,9 @@ def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):
 
 
 def test_ac_under_compile_trains_as_the_eager_run_without(tmp_path, cache, one):
-    # compiled, the kernels fuse otherwise than eager ones: float rounding apart, as test_gpt.py's
-    # compiled run without --ac
+    """Compiled, the kernels fuse otherwise than eager ones: float rounding apart, as test_gpt.py's compiled
+    run without --ac. Over a minute where the machine is busy: inductor compiles the forward, the recomputed
+    forward and the backward in one process (30 CPU-s; 42 to 60 s in whole runs)."""
     train(tmp_path, cache, *STEPS, "--batch_size", 16, "--compile", "--ac", "full")
     assert_same_state(saved(tmp_path), saved(one), 1e-4)
 

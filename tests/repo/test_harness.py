@@ -92,6 +92,7 @@ def test_a_process_left_alive_or_a_forbidden_skip_fails_the_session(tmp_path, jo
     CI did not): with 2 workers the session passes and this fails."""
     (tmp_path / "test_leaves.py").write_text(LEAVES_AND_SKIPS)
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REQUIRE_NO_SKIPS": "1", "LEFTOVER_GRACE": "1"}
+    env["RECORD_COSTS"] = "0"  # its sessions' tests are not the suite's: kept out of tests/costs.json
     cmd = [PYTHON, "-m", "pytest", "-p", "conftest", "-n", jobs, "-p", "no:cacheprovider", "test_leaves.py"]
     proc = run(cmd, timeout=120, check=False, env=env, cwd=tmp_path)
     left, mark = (tmp_path / "left").read_text().split()
