@@ -314,14 +314,14 @@ LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
 JOBS ?= 2
 # whole files to each worker (each test of the few costs.py spreads), the costliest first (tests/costs.py)
 PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
-test: $(ENV) ## run the test suite (about 31 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
+test: $(ENV) ## run the test suite (24 to 32 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
 # the tiers, by marker (pyproject.toml): CI runs everything
-test-quick: $(ENV) ## the tests marked quick: the lessons and the README's commands (about 5 min on 2 cores)
+test-quick: $(ENV) ## the tests marked quick: the lessons and the README's commands (3 to 5 min on 2 cores)
 	$(LOADED) $(PYTEST) -m quick $(TEST_ARGS)
 
-test-fast: $(ENV) ## all but the Docker, Slurm, demo and slow tests (about 20 min on 2 cores)
+test-fast: $(ENV) ## all but the Docker, Slurm, demo and slow tests (12 to 16 min on 2 cores)
 	$(LOADED) $(PYTEST) -m "not docker and not slurm and not demo and not slow" $(TEST_ARGS)
 
 lint: $(ENV) ## ruff (lint and format), shellcheck, hadolint, and make k8s-check

@@ -253,6 +253,11 @@ def load_train_objs(args):
 
 
 def load_snapshot(path, accelerator):
+    if not os.path.exists(path) and os.path.exists(f"{path}.tmp/progress.json"):  # whole, not moved in
+        accelerator.wait_for_everyone()  # every process has looked
+        if accelerator.is_main_process:
+            os.replace(f"{path}.tmp", path)
+        accelerator.wait_for_everyone()
     if not os.path.exists(path):
         return {"epochs": 0, "steps": 0, "best": math.inf, "loss_sum": 0.0, "layout": None}
     try:

@@ -16,6 +16,7 @@ multigpu_ray runs on a Ray cluster of --nproc CPUs started for it and stopped af
 import argparse
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -94,6 +95,14 @@ def relay(proc, prefix):
         sys.stdout.flush()
 
 
+def wait(procs):
+    """Their exit statuses (128 + N for signal N), once all have ended. Ctrl-C reaches them from the terminal:
+    this process waits for them to say so and end, with no traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # set after they started: they would inherit it
+    codes = [proc.wait() for proc in procs]
+    return [128 - code if code < 0 else code for code in codes]
+
+
 def run(commands, gpus=0):
     """Run the command(s): one alone in the foreground, several side by side with prefixed output.
     Returns the first non-zero exit status, or 0."""
@@ -102,7 +111,7 @@ def run(commands, gpus=0):
     if len(commands) == 1:
         omp = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
         print(f"{omp}{shlex.join(commands[0])}", flush=True)  # the command to copy (make hides its own)
-        return subprocess.call(commands[0], env=env)
+        return wait([subprocess.Popen(commands[0], env=env)])[0]
     procs, threads = [], []
     for node, (cmd, devices) in enumerate(zip(commands, gpu_split(gpus, len(commands)), strict=True)):
         node_env = {**env, "CUDA_VISIBLE_DEVICES": devices} if gpus >= len(commands) else env
@@ -113,7 +122,7 @@ def run(commands, gpus=0):
         procs.append(proc)
         threads.append(threading.Thread(target=relay, args=(proc, f"[node{node}] "), daemon=True))
         threads[-1].start()
-    codes = [proc.wait() for proc in procs]
+    codes = wait(procs)
     for thread in threads:
         thread.join(timeout=10)
     return next((code for code in codes if code), 0)

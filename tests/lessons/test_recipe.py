@@ -277,7 +277,8 @@ def test_without_torchrun_help_is_whole_and_a_run_says_how_to_start(monkeypatch,
 
 def test_the_accelerate_twin_ends_where_the_ddp_recipe_ends(fp32, tmp_path):
     """recipe_accelerate.py under `accelerate launch` with the committed one_node.yaml (2 processes), fp32,
-    the same arguments: the same printed validation loss and weights within 1e-6 of the DDP recipe's.
+    the same arguments: the same printed validation loss and weights within 1e-6 of the DDP recipe's. Run
+    again with the snapshot left as PATH.tmp (a save cut short after it was whole), it resumes from it.
     Mutation: `with accelerator.accumulate(model):` left out -> the optimizer steps at every micro-batch
     and the weights differ."""
     cmd = example_cmd("recipe_accelerate", *FP32)
@@ -287,3 +288,9 @@ def test_the_accelerate_twin_ends_where_the_ddp_recipe_ends(fp32, tmp_path):
     model = load_file(tmp_path / "recipe_accelerate_snapshot" / "model.safetensors")
     for key, tensor in load_snapshot(folder / "recipe_snapshot.pt")["MODEL_STATE"].items():
         torch.testing.assert_close(model[key], tensor, rtol=0, atol=1e-6)
+    # a save that ended between removing the old snapshot and moving the new one in: it is taken
+    snapshot = tmp_path / "recipe_accelerate_snapshot"
+    snapshot.rename(f"{snapshot}.tmp")
+    again = run(cmd, timeout=300, cwd=tmp_path, env=ONE_THREAD).stdout
+    assert "resuming from recipe_accelerate_snapshot: 2 epochs already run" in again, again[-3000:]
+    assert "nothing to train | " in again and snapshot.is_dir(), again[-3000:]
