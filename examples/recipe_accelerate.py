@@ -1,10 +1,11 @@
-"""recipe.py with Hugging Face Accelerate: Accelerator does what DDP's lines did.
+"""recipe.py in Hugging Face Accelerate's idiom: Accelerator does what DDP's lines did.
 
 accelerate launch --config_file accelerate/one_node.yaml recipe_accelerate.py 10 5
 """
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -19,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # before any group forms, or the exit may abort
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, TensorDataset
 
 PRECISIONS = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # ours: accelerate's
 STOP = []  # the signals this process got
@@ -44,43 +46,50 @@ class Augmented(TensorDataset):  # training images, shifted by up to a pixel and
 @contextlib.contextmanager
 def signals_held():  # loader workers started meanwhile never get them: the rank acts on them
     signal.pthread_sigmask(signal.SIG_BLOCK, NAMES)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
+    yield
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        if "LOCAL_RANK" not in os.environ:
+            super().error(message)  # python alone: argparse's usage line and message
+        refuse(message)  # under torchrun: said once, in torchrun's summary
+
+
+def lr_factor(step, warmup, total):  # of --lr: a linear warm-up, then a cosine down to a tenth
+    done = min(1.0, max(0, step - warmup) / max(1, total - warmup))
+    return min(1.0, (step + 1) / max(1, warmup)) * (0.55 + 0.45 * math.cos(math.pi * done))
 
 
 class Trainer:
     def __init__(self, model, train_data, val_data, optimizer, accelerator, args):
-        self.accelerator, self.train_data, self.args = accelerator, train_data, args
-        self.device = accelerator.device
-        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        self.steps_per_epoch = len(train_data) // args.grad_accum
-        # prepare(): DDP around the model, autocast in its forward, validation shared out
-        self.model, self.optimizer, self.val_data = accelerator.prepare(model, optimizer, val_data)
-        # a step's size: a snapshot taken mid-epoch resumes on the same only
-        self.layout = [self.world_size, args.batch_size, args.grad_accum]
+        self.accelerator, self.args = accelerator, args
+        self.train_set, self.world_size = train_data.dataset, accelerator.num_processes
+        batches = len(train_data) // self.world_size  # before prepare(): every process's
+        if batches < args.grad_accum:
+            refuse(f"batch_size x grad_accum exceeds a process's {batches * args.batch_size} training images")
+        self.steps_per_epoch, unused = divmod(batches, args.grad_accum)
+        if unused:  # an epoch ends where a whole step does not fit
+            accelerator.print(f"note: {unused} of each process's {batches} micro-batches go unused")
+        # in one process's steps, as accelerate counts them: the prepared one steps once a process
+        total = len(train_data) // args.grad_accum * args.total_epochs
+        scheduler = LambdaLR(optimizer, functools.partial(lr_factor, warmup=args.warmup, total=total))
+        # DDP around the model, autocast in its forward, the batches dealt out, the scheduler in step
+        prepared = accelerator.prepare(model, optimizer, train_data, val_data, scheduler)
+        self.model, self.optimizer, self.train_data, self.val_data, self.scheduler = prepared
+        self.layout = [self.world_size, args.batch_size, args.grad_accum]  # a step's size
         state = load_snapshot(args.snapshot_path, accelerator)
         if state["steps"] and state["layout"] != self.layout:
-            was, now = (" x ".join(map(str, layout)) for layout in (state["layout"], self.layout))
-            refuse(
-                f"error: {args.snapshot_path} stopped mid-epoch on {was} (processes x batch_size x "
-                f"grad_accum), not {now}: resume it so, or move it away to start again"
-            )
-        # epochs done, steps done of the next, best val loss, this epoch's summed loss
-        self.epochs_run, self.steps_run = state["epochs"], state["steps"]
+            said = f"{state['layout']}, not {self.layout} (processes, batch_size, grad_accum)"
+            refuse(f"error: {args.snapshot_path} stopped mid-epoch on {said}: resume it so, or move it away")
+        self.epochs_run, self.steps_run = state["epochs"], state["steps"]  # and steps of the next epoch
         self.best, self.loss_sum = state["best"], state["loss_sum"]
         if state["epochs"] or state["steps"]:
-            self.accelerator.print(f"resuming from {args.snapshot_path}: {self._progress()}")
-        unused = len(train_data) % args.grad_accum
-        if unused:  # an epoch ends where a whole step does not fit
-            self.accelerator.print(
-                f"note: {unused} of each process's {len(train_data)} micro-batches go unused"
-            )
+            accelerator.print(f"resuming from {args.snapshot_path}: {self._progress()}")
 
     def _forward(self, source, targets, reduction="mean"):
-        source, targets = source.to(self.device, non_blocking=True), targets.to(self.device)
-        logits = self.model(source).float()
+        logits = self.model(source).float()  # on the device already
         return nn.functional.cross_entropy(logits, targets, reduction=reduction), logits, targets
 
     def _run_step(self, batches):
@@ -90,25 +99,37 @@ class Trainer:
             with self.accelerator.accumulate(self.model):
                 micro = self._forward(source, targets)[0]
                 self.accelerator.backward(micro)  # divided by --grad_accum, scaled for fp16
+                if self.args.clip and self.accelerator.sync_gradients:  # unscaled first
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.clip)
                 self.optimizer.step()
+                self.scheduler.step()
                 self.optimizer.zero_grad()
-            loss += micro.item() / len(batches)
+            loss += micro.detach() / len(batches)  # a tensor: read here, it would wait for the GPU
         return loss
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # the order, alike in every process
-        self.train_data.dataset.epoch = epoch  # the augmentations
-        with signals_held():
-            batches = iter(self.train_data)  # its workers start
-        for step in range(self.steps_per_epoch):
-            micro = [next(batches) for _ in range(self.args.grad_accum)]
-            if step < self.steps_run:
-                continue  # done before a stop
-            loss = self._run_step(micro)
-            self.steps_run += 1
-            both = torch.tensor([loss, len(STOP)], dtype=torch.float64, device=self.device)
-            both = self.accelerator.reduce(both, "sum")  # the loss, and whether any got a signal
+        self.train_set.epoch = epoch  # the augmentations
+        done = self.steps_run * self.args.grad_accum
+        data = self.accelerator.skip_first_batches(self.train_data, done)  # not read again after a stop
+        data.set_epoch(epoch)  # the order, alike in every process
+        batches = iter(data)
+        losses, steps = torch.zeros((), device=self.accelerator.device), 0  # since the last log line
+        for _ in range(self.steps_run, self.steps_per_epoch):
+            with signals_held():  # the loader's workers start at its first batch
+                micro = [next(batches) for _ in range(self.args.grad_accum)]
+            losses += self._run_step(micro)
+            self.steps_run, steps = self.steps_run + 1, steps + 1
+            if self.steps_run % self.args.log_every and self.steps_run < self.steps_per_epoch:
+                continue  # no host read between log lines: the GPU runs ahead
+            both = torch.stack([losses.double(), torch.tensor(len(STOP), device=losses.device).double()])
+            both = self.accelerator.reduce(both, "sum")  # the losses, and whether any got a signal
             self.loss_sum += both[0].item()
+            loss, lr = both[0].item() / (steps * self.world_size), self.scheduler.get_last_lr()[0]
+            at = f"step {self.steps_run}/{self.steps_per_epoch} of epoch {epoch + 1}"
+            self.accelerator.print(f"{at} | loss {loss:.6g} | lr {lr:.3g}")
+            losses, steps = torch.zeros_like(losses), 0
+            if self.args.save_steps and self.steps_run % self.args.save_steps == 0:
+                self._save(self.args.snapshot_path)
             if both[1].item() > 0:
                 return True
 
@@ -127,7 +148,7 @@ class Trainer:
         return loss, f"val_loss {loss:.6g} | val_acc {accuracy} | world_size {self.world_size}"
 
     def _save(self, path):
-        self.accelerator.save_state(f"{path}.tmp")  # model, optimizer, scaler, random states
+        self.accelerator.save_state(f"{path}.tmp")  # model, optimizer, scheduler, scaler, random states
         self.accelerator.wait_for_everyone()  # every process's random state is in PATH.tmp before it moves
         if self.accelerator.is_main_process:
             state = {"epochs": self.epochs_run, "steps": self.steps_run, "layout": self.layout}
@@ -139,16 +160,12 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     def _progress(self):
-        done = f"{self.epochs_run} epochs already run"
-        return done + (
-            f", and {self.steps_run} steps of epoch {self.epochs_run + 1}" if self.steps_run else ""
-        )
+        steps = f", and {self.steps_run} steps of epoch {self.epochs_run + 1}" if self.steps_run else ""
+        return f"{self.epochs_run} epochs already run{steps}"
 
     def train(self):
         path, total = self.args.snapshot_path, self.args.total_epochs
-        where = f"before epoch {self.epochs_run + 1}"
-        if self.epochs_run >= total:
-            where = "nothing to train"
+        where = "nothing to train" if self.epochs_run >= total else f"before epoch {self.epochs_run + 1}"
         self.accelerator.print(f"{where} | {self._validate()[1]}")
         for epoch in range(self.epochs_run, total):
             stopping = self._run_epoch(epoch)
@@ -165,41 +182,36 @@ class Trainer:
             if stopping:
                 self._save(path)
                 why = (STOP or ["a signal to another process"])[0]
-                saved = f"saved in {path}: the same command resumes, {self._progress()}"
-                return self.accelerator.print(f"stopped by {why}, {saved}")
+                said = f"saved in {path}: the same command resumes, {self._progress()}"
+                return self.accelerator.print(f"stopped by {why}, {said}")
 
 
 @record  # torchrun's summary shows this function's error, from its error file
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for others")
-    if "LOCAL_RANK" in os.environ:
-        parser.error = refuse  # said once, by local rank 0
-    args = get_args(parser)  # python alone: --help, or argparse's own usage and error
-    if "LOCAL_RANK" not in os.environ:
-        parser.error(f"start me with torchrun --standalone --nproc-per-node=2 {sys.argv[0]} ...")
-    for signum in NAMES:  # noted; acted on at the next step
+    args = get_args(parser)  # python alone: one process, as accelerate launch with one
+    if args.precision == "fp16" and not torch.cuda.is_available():  # accelerate would train in fp32
+        parser.error("--precision fp16 needs a GPU: accelerate scales losses there only; use bf16 or fp32")
+    for signum in NAMES:  # noted; acted on at the next log line
         signal.signal(signum, lambda signum, frame: STOP.append(NAMES[signum]))
-    # cpu=True without CUDA: gloo; mixed precision from --precision, else the config
-    wait = InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))
-    precision = PRECISIONS.get(args.precision)
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=precision,
+        cpu=not torch.cuda.is_available(),  # gloo, where plain Accelerator() trains each process alone
+        mixed_precision=PRECISIONS.get(args.precision),  # else the config's
         gradient_accumulation_steps=args.grad_accum,
-        kwargs_handlers=[wait],
+        dynamo_backend="inductor" if args.compile else None,  # torch.compile, else as the config says
+        # shuffled by the seed and the epoch alone: a resumed epoch's order is the one it stopped in
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))],
     )
-    device = accelerator.device
-    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
+    set_seed(args.seed)  # the model starts alike in every process
+    device, rank = accelerator.device, f"{accelerator.process_index}/{accelerator.num_processes}"
+    backend = dist.get_backend() if dist.is_initialized() else "one process"
+    sys.stdout.write(f"[rank {rank}] {device}, {backend}\n")
     train_set, val_set, model, optimizer = load_train_objs(args)
-    # not prepared: the DDP recipe's order (prepare() would deal out whole batches)
-    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
-    pin = device.type == "cuda"  # pinned memory: a faster copy to the GPU
-    loading = {"num_workers": args.workers, "pin_memory": pin}
-    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, **loading)
-    val_data = DataLoader(val_set, args.batch_size, **loading)  # shared out by prepare()
-    if len(train_data) < args.grad_accum:
-        refuse(f"batch_size x grad_accum exceeds a process's {len(sampler)} training images")
+    loading = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}  # pinned: faster
+    train_data = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, **loading)
+    val_data = DataLoader(val_set, args.batch_size, **loading)
     Trainer(model, train_data, val_data, optimizer, accelerator, args).train()
     accelerator.end_training()
 
@@ -207,7 +219,7 @@ def main():
 def refuse(message):
     if dist.is_initialized():
         dist.destroy_process_group()
-    if os.environ["LOCAL_RANK"] != "0":
+    if os.environ.get("LOCAL_RANK", "0") != "0":
         sys.exit(0)  # every process meets it alike: local rank 0 says why, the others end quietly
     raise argparse.ArgumentError(None, message) from None  # for @record, then __main__
 
@@ -220,15 +232,22 @@ def get_args(parser):
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--precision", choices=PRECISIONS, help="default: the config's")
     parser.add_argument("--workers", type=int, default=2, help="loader processes a rank")
+    parser.add_argument("--warmup", type=int, default=10, help="steps of rising learning rate")
+    parser.add_argument("--clip", type=float, default=1.0, help="largest gradient norm (0: none)")
+    parser.add_argument("--log_every", type=int, default=10, help="steps between log lines")
+    parser.add_argument("--save_steps", type=int, default=0, help="steps between snapshots too")
+    parser.add_argument("--compile", action="store_true", help="the model through torch.compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshot_path", default="recipe_accelerate_snapshot", help="a folder")
     args = parser.parse_args()
-    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr", "timeout"]:
+    for key in ["total_epochs", "save_every", "batch_size", "grad_accum", "lr", "timeout", "log_every"]:
         if not 0 < getattr(args, key) < math.inf:
             parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
-    for key in ["workers", "seed"]:
-        if getattr(args, key) < 0:
+    for key in ["workers", "seed", "warmup", "clip", "save_steps"]:
+        if not 0 <= getattr(args, key) < math.inf:
             parser.error(f"{key} must be 0 or more, got {getattr(args, key)}")
+    if args.save_steps % args.log_every:  # a snapshot holds the losses summed at a log line
+        parser.error(f"save_steps must be a multiple of log_every ({args.log_every})")
     folder = os.path.dirname(args.snapshot_path) or "."  # now, not at the first save
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         parser.error(f"snapshot_path: no folder {folder} to write in; create it or give another")
@@ -244,7 +263,6 @@ def load_train_objs(args):
     val, train = order[:359], order[359:]  # of the 1,797 images
     train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])
     train_set.seed = args.seed
-    torch.manual_seed(args.seed)
     layers = [nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
     layers += [nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten()]
     model = nn.Sequential(*layers, nn.Linear(32 * 4 * 4, 10))
@@ -261,7 +279,7 @@ def load_snapshot(path, accelerator):
     if not os.path.exists(path):
         return {"epochs": 0, "steps": 0, "best": math.inf, "loss_sum": 0.0, "layout": None}
     try:
-        accelerator.load_state(path)  # into the prepared model, optimizer and scaler
+        accelerator.load_state(path)  # into the prepared model, optimizer, scheduler and scaler
         with open(os.path.join(path, "progress.json")) as file:
             state = json.load(file)
     except Exception as exc:
