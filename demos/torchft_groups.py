@@ -144,6 +144,9 @@ def main():
     port = free_port()
     env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
     root = Path(args.dir).resolve()
+    # the account below is of whole runs: each demo starts afresh (the lesson alone resumes)
+    again = ", its last run removed" if root.exists() else ""
+    print(f"[demo] {root}: started afresh{again}; the account counts whole runs", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     # A quorum of every group: a group waits for the others, a killed one included. With --alone, a quorum
     # of one: the others go on without the killed group (and may finish before it is back).

@@ -108,6 +108,9 @@ def get_args(parser):
             parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")
     if not 0 <= args.momentum < float("inf"):
         parser.error(f"momentum must be 0 or more and finite, got {args.momentum}")
+    folder = os.path.dirname(args.snapshot_path) or "."  # now, not at the first save
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        parser.error(f"snapshot_path: no folder {folder} to write in; create it or give another")
     return args
 
 
@@ -144,7 +147,10 @@ def load_snapshot(path, model, optimizer, device):
 def stopped(path):
     """Ctrl-C: one process says what the same command resumes from (exit status 130)."""
     if os.environ.get("RANK", "0") == "0":
-        where = f"resumes from {path}" if os.path.exists(path) else "starts again (none saved)"
+        where = "starts again (none saved)"
+        if os.path.exists(path):  # the epochs since its last save are run again
+            epochs = torch.load(path, weights_only=True)["EPOCHS_RUN"]
+            where = f"resumes from {path} at epoch {epochs + 1}"
         print(f"stopped by Ctrl-C: the same command {where}", file=sys.stderr)
     sys.exit(130)
 

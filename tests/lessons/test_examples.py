@@ -189,11 +189,12 @@ def test_resume_ends_exactly_where_an_uninterrupted_run_ends(runs, tmp_path, nam
 def test_ctrl_c_ends_a_lesson_in_one_line_naming_its_snapshot(tmp_path, name):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) a moment after epoch 6 of a
     long run, alone, under mp.spawn and under torchrun: one line says the same command resumes from the
-    snapshot, which holds a whole number of save_every epochs; no process prints a traceback or
-    KeyboardInterrupt; exit status 130 (torchrun's is 1, after its own SignalException report, which a
-    lesson cannot shorten: docs/lessons.md says so). Mutation: the except KeyboardInterrupt removed from
-    the lesson -> tracebacks, and the test fails. Through `make multigpu` too: the lesson's line, then make's
-    (`Error 130`), and no traceback of make's wrapper (harness/steps.py: 17 lines of it before)."""
+    snapshot at the epoch after the whole number of save_every epochs it holds; no process prints a
+    traceback or KeyboardInterrupt; exit status 130 (torchrun's is 1, after its own SignalException report,
+    which a lesson cannot shorten: docs/lessons.md says so). Mutations: the except KeyboardInterrupt
+    removed from the lesson -> tracebacks, and the test fails; the epoch said as the snapshot's count ->
+    fails. Through `make multigpu` too: the lesson's line, then make's (`Error 130`), and no traceback of
+    make's wrapper (harness/steps.py: 17 lines of it before)."""
     if name == "make multigpu":
         cmd = ["make", "--no-print-directory", "-C", REPO, "multigpu", f"RUNS={tmp_path}", f"VENV={VENV}"]
         cmd += ["EPOCHS=100000", "ARGS=--dataset_size 256"]
@@ -214,8 +215,10 @@ def test_ctrl_c_ends_a_lesson_in_one_line_naming_its_snapshot(tmp_path, name):
     after = proc.communicate(timeout=bound(60))[0]
     watchdog.cancel()
     where = snapshot if name == "make multigpu" else snapshot.name
-    said = f"stopped by Ctrl-C: the same command resumes from {where}\n"
-    assert after.count(said) == 1, "".join(before)[-2000:] + after[-3000:]
+    said = re.findall(
+        rf"^stopped by Ctrl-C: the same command resumes from {where} at epoch (\d+)$", after, re.M
+    )
+    assert len(said) == 1, "".join(before)[-2000:] + after[-3000:]
     assert "KeyboardInterrupt" not in after and not re.search(r"^\[rank\d+\]:", after, re.M), after[-3000:]
     if name == "multigpu_torchrun":
         assert proc.returncode == 1 and "SignalException" in after, after[-3000:]
@@ -223,7 +226,7 @@ def test_ctrl_c_ends_a_lesson_in_one_line_naming_its_snapshot(tmp_path, name):
         code = -signal.SIGINT if name == "make multigpu" else 130  # make ends as Ctrl-C ends it
         assert proc.returncode == code and "Traceback" not in after, after[-3000:]
     saved = load_snapshot(snapshot)["EPOCHS_RUN"]
-    assert saved >= 5 and saved % 5 == 0, saved
+    assert saved >= 5 and saved % 5 == 0 and int(said[0]) == saved + 1, (saved, said)
 
 
 @pytest.mark.parametrize("name", DDP_EXAMPLES)

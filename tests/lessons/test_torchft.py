@@ -38,7 +38,8 @@ def test_a_killed_group_heals_from_its_live_peer_which_waits_for_it(tmp_path):
     (none was written: the first is at epoch 5), takes the live state, and both end at the last epoch with
     identical weights. Waiting is what keeps this from racing on a busy machine: group 0 cannot finish
     before group 1 is back. Mutation: the lighthouse's quorum of one with --kill (as before): group 0 trains
-    at world size 1, and the sizes assertion fails."""
+    at world size 1, and the sizes assertion fails. Its first line says it starts afresh (issue 74: a target
+    run again either resumes or says so)."""
     result, account = demo(tmp_path, "--kill", "--kill_joining", "--kill_epoch", "2", "--epochs", "12")
     assert result.returncode == 0, result.stdout[-3000:]
     [survivor] = account["group0"]  # one start: no restart
@@ -58,6 +59,10 @@ def test_a_killed_group_heals_from_its_live_peer_which_waits_for_it(tmp_path):
     assert "[group0] epoch 10/12 " in result.stdout and "[group0] epoch 5/12 " not in result.stdout
     # the kills said as they happen, between the epoch lines around them
     assert result.stdout.count("[demo] SIGKILL to group1 and its processes, as when its node is lost") == 2
+    # its first line says that a second `make torchft` starts afresh, not from the snapshots above
+    assert result.stdout.startswith(f"[demo] {(tmp_path / 'runs').resolve()}: started afresh; "), (
+        result.stdout[:300]
+    )
 
 
 def test_a_group_back_after_the_end_is_told_none_can_heal_it(tmp_path):
