@@ -28,6 +28,15 @@ RUNS ?= runs
 VENV ?= .venv
 PYTHON3 ?= python3
 
+# A variable given on the command line that no line here reads or sets (EPOCHS misspelt) stops make before
+# any work, where make would ignore it: NAMED holds those read ($(X), $${X}, origin X) or set (X ?= ...).
+NAMED := $(shell grep -ohE '[$$][^A-Za-z0-9 ]?[A-Z][A-Z0-9_]+|^[A-Z][A-Z0-9_]+ *[:?+]?=|(origin|ifn?def) [A-Z][A-Z0-9_]+' \
+  $(MAKEFILE_LIST) | grep -oE '[A-Z][A-Z0-9_]+$$|^[A-Z][A-Z0-9_]+')
+GIVEN := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
+ifneq ($(filter-out $(NAMED),$(GIVEN)),)
+$(error $(filter-out $(NAMED),$(GIVEN)): no target reads it (a typo?); make help lists the variables)
+endif
+
 PY := $(VENV)/bin/python
 # one thread a process unless set: torchrun's own default, said here so that its 4-line banner does not print
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run
