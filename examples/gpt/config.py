@@ -158,6 +158,12 @@ class Config:
         choices=["auto", "fp32", "bf16", "fp16"],
         group="speed and memory",
     )
+    attention: str = option(
+        "attention kernel; auto: torch's choice, order and switches (%(default)s)",
+        "auto",
+        choices=["auto", "cudnn", "flash", "efficient", "math"],
+        group="speed and memory",
+    )
     compile: bool = option("torch.compile each block, in every layout")
     compile_mode: str = option(
         "--compile: torch.compile's mode; max-autotune-no-cudagraphs times several kernels for each "

@@ -292,6 +292,7 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
         path = cache_dir / f"url-{hashlib.sha256(source.encode()).hexdigest()[:16]}.txt"
         with file_lock(path.with_suffix(".lock"), timeout, f"the download of {source}"):
             if not path.exists():
+                print(f"downloading {source} to {path} (other processes wait for it)", flush=True)
                 download(source, path, timeout)
     elif "://" in source:
         raise DataError(f"--data {source}: only http:// and https:// addresses can be downloaded")
@@ -305,6 +306,7 @@ def load_corpus(source, cache_dir, timeout, kind="char", vocab_size=None):
     out = cache_dir / f"prepared-{key}"
     with file_lock(cache_dir / f"prepared-{key}.lock", timeout, f"the {kind} shards of {source} in {out}"):
         if not prepare.is_prepared(out, key):
+            print(f"preparing the {kind} shards of {source} in {out} (other processes wait)", flush=True)
             try:
                 prepare.prepare(sources, out, kind, vocab_size, log=lambda text: None)
             except prepare.PrepareError as exc:

@@ -5,7 +5,7 @@ weight with the token embedding."""
 import hashlib
 import math
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ class CausalSelfAttention(nn.Module):
         # tensor parallel: which share of the heads this
         # process computes (parallel.apply_tp sets it)
         self.head_share = None
+        self.kernels = None  # --attention's (choose_attention): None leaves torch its own choice
 
     def forward(self, x):
         batch, length, _ = x.shape
@@ -65,42 +66,45 @@ class CausalSelfAttention(nn.Module):
         stream (the dropout after each block must agree), so without care each share of the heads
         would draw the same attention masks: heads j and j + heads/N alike. Here every share draws
         from its own stream, seeded from the shared one (which so moves alike everywhere), as
-        distinct heads do in one process. The kernel is the first of attention_backends(device)
-        that takes these inputs."""
-        with sdpa_kernel(attention_backends(q.device), set_priority=True):
+        distinct heads do in one process. The kernel: torch's choice (its order, its switches such
+        as torch.backends.cuda.enable_cudnn_sdp), or the one --attention names."""
+        with sdpa_kernel(self.kernels) if self.kernels else nullcontext():
             if not dropout or self.head_share is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             with own_stream(self.head_share, q.device):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
-def attention_backends(device):
-    """The attention kernels asked for, first choice first. On GPUs cuDNN's (reported 1.7-2.3x as
-    fast as FlashAttention-2 for training shapes on Hopper), then FlashAttention, memory-efficient,
-    math; each takes only some types, head widths and dropout, so the first that takes the call
-    runs. The CPU has two kernels, torch's own flash attention (no dropout) and math, and tries
-    them in that order whatever the list."""
-    if device.type == "cuda":
-        return [
-            SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH,
-        ]
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# --attention: auto leaves the kernel to torch; each other choice allows that kernel alone (a call it
+# cannot take fails: "No available kernel")
+ATTENTION = {
+    "auto": None,
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
-def attention_kernel(cfg, device, dtype, dropout):
-    """The kernel attend() runs in training, by name, found by running attention once on one
-    sequence of cfg's shape as attend() does: each fused kernel has a backward of its own, named
-    after it (for example ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made
-    of ordinary operations."""
-    shape = (1, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+def choose_attention(model, choice):
+    """Every attention of model runs the kernels --attention `choice` allows."""
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            module.kernels = ATTENTION[choice]
+
+
+def attention_kernel(cfg, device, dtype, dropout, choice="auto", heads=None, batch=1):
+    """The kernel attend() runs in training, by name, found by running attention once on inputs of
+    the training's shape (batch, this process's heads) and type, as attend() does: each fused
+    kernel has a backward of its own, named after it (for example
+    ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made of ordinary
+    operations."""
+    shape = (batch, heads or cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
     # its random numbers (and dropout's) from a copy of the
     # random state: training's streams stay as they were
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-        with sdpa_kernel(attention_backends(device), set_priority=True):
+        with sdpa_kernel(ATTENTION[choice]) if ATTENTION[choice] else nullcontext():
             y = F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
     fused = re.fullmatch(r"ScaledDotProduct(\w+)Backward\d+", type(y.grad_fn).__name__)
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", fused.group(1)).lower() if fused else "math"
@@ -295,9 +299,13 @@ def init_buffers(model):
         raise TypeError(f"buffers {missing} cannot be filled: give their module an init_buffers() method")
 
 
+IGNORE = -100  # a target that counts for nothing (padding), as F.cross_entropy's ignore_index
+
+
 def cross_entropy(logits, targets):
-    """The mean loss over all positions, computed in float32 whatever the autocast type."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    """The mean loss over the positions whose target is not IGNORE, in float32 whatever the
+    autocast type."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
 
 def chunked_cross_entropy(x, weight, bias, targets, chunk):
@@ -312,7 +320,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     cross-entropy: while a chunk's logits exist, forward also computes their gradient (softmax
     minus the target's one-hot, for the sum of the chunk's losses) and from it the gradients of x,
     the weight and a bias that trains; backward only scales them. No logits are kept for backward
-    nor recomputed there."""
+    nor recomputed there. The gradient is the mean's (divided by the positions counted) before the
+    matmuls, as whole logits' is: in fp16 it overflows no sooner than theirs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, grad_enabled):
@@ -323,17 +332,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
         total = torch.zeros((), device=x.device)
+        count = (targets != IGNORE).sum()  # on the device: nothing read back
         for start in range(0, len(targets), chunk):
             xs, ts = x[start : start + chunk], targets[start : start + chunk]
+            counted = ts != IGNORE
+            ts = ts.where(counted, 0)  # an ignored position's row: any index, its terms zeroed
             logits = F.linear(xs, weight, bias)  # bf16 under autocast, as the whole head's
             log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
-            total -= log_probs.gather(1, ts[:, None]).sum()
+            total -= (log_probs.gather(1, ts[:, None]).squeeze(1) * counted).sum()
             if not any(wants):
                 continue
-            # the gradient of the chunk's summed loss by its logits, in place of the
-            # log-probabilities
+            # the gradient of the mean loss by the chunk's logits, in place of the log-probabilities
             grad = log_probs.exp_()
             grad[torch.arange(len(ts), device=ts.device), ts] -= 1
+            grad *= counted[:, None] / count
             grad = grad.to(logits.dtype)  # the matmuls below in the head's type (autocast's bf16)
             if grad_x is not None:
                 grad_x[start : start + chunk] = grad @ weight
@@ -341,17 +353,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_weight += grad.T @ xs
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
-        ctx.count = len(targets)
         ctx.save_for_backward(grad_x, grad_weight, grad_bias)
-        return total / len(targets)
+        return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # the gradients of the sum of the losses, scaled to the mean's and by the loss's own
-        # gradient (a gradient scaler's factor), in place: backward runs once. autograd casts each
-        # to its input's type
-        scale = grad_loss / ctx.count
-        grads = [None if g is None else g.mul_(scale) for g in ctx.saved_tensors]
+        # the mean's gradients scaled by the loss's own gradient (a gradient scaler's factor), in
+        # place: backward runs once. autograd casts each to its input's type
+        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
         return *grads, None, None, None
 
 

@@ -3,6 +3,7 @@ and its checks (option, derived), turned into argparse's parser (parser_for), an
 Config is made (check). Refusals are argparse's: the message, exit status 2."""
 
 import argparse
+import difflib
 import os
 from dataclasses import field, fields
 from typing import get_args
@@ -65,6 +66,11 @@ class Parser(argparse.ArgumentParser):
     torchrun's closing summary; alone after one line of usage, not the whole list of options."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):  # the nearest options, as Python 3.14's
+            known = [name for action in self._actions for name in action.option_strings]
+            words = [word.split("=")[0] for word in message.split(": ", 1)[1].split()]
+            near = [match for word in words for match in difflib.get_close_matches(word, known, 1)]
+            message += f" (did you mean {', '.join(near)}?)" if near else ""
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             self.exit(2, f"usage: {self.prog} [options] (--help lists them)\n{self.prog}: error: {message}\n")
         failure.refuse(self.prog, message)

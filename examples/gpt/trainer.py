@@ -10,7 +10,7 @@ import parallel
 import torch
 import torch.distributed as dist
 from failures import guards
-from model import GPT, flops_per_token, optimizer_groups, parameter_count
+from model import GPT, choose_attention, flops_per_token, optimizer_groups, parameter_count
 from observability import memory, metrics
 from observability.traces import StepProfiler
 from processes import all_ranks
@@ -45,6 +45,7 @@ class Trainer:
         self.dtype = parallel.resolve_dtype(args.dtype, device)
         with torch.device("meta"):  # no storage: each process materialises its own part below
             model = GPT(model_config(args, corpus.vocab_size))
+        choose_attention(model, args.attention)
         self.params = parameter_count(model, non_embedding=False)
         self.flops_per_token = flops_per_token(model)
         self.llmc_flops_per_token = flops_per_token(model, llmc=True)  # MFU as llm.c counts it too

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 from fault import once_more_after_torch_race  # demos/fault.py: a worker killed under torchrun
 from gpt_helpers import (
     TINY,
@@ -84,27 +85,81 @@ def test_the_padded_vocabulary_is_invisible_to_loss_grads_samples():
     assert out.max().item() < 50
 
 
-def test_the_attention_kernel_is_chosen_and_named_at_start_up(tmp_path, cache, monkeypatch):
-    """The attention kernel is chosen by model.ATTENTION_BACKENDS and named at start up.
-
-    The start-up line names the kernel attention runs: on the CPU torch's own flash attention (math with
-    dropout, which that kernel does not take); the model's attention runs the kernels in the order
-    model.attention_backends gives, and the name follows it. Mutations: the CPU's list without
-    FLASH_ATTENTION -> the line says math; attend() without sdpa_kernel -> math asked for, flash ran."""
+def test_the_attention_kernel_is_torchs_unless_asked_and_named_at_start_up(tmp_path, cache):
+    """--attention auto (the default) leaves the kernel to torch, its order and its switches; another
+    choice allows that kernel alone; the start-up line names the kernel by running attention on the
+    training's shape. On the CPU torch runs its own flash attention (math with dropout, which that
+    kernel does not take), and math once `torch.backends.cuda.enable_flash_sdp(False)` says so.
+    Mutations: attend() wrapping every call in a list that puts flash first (as it once did, cuDNN first
+    on GPUs) -> flash after the switch said no; choose_attention not called -> --attention math runs
+    flash; the probe's choice left out -> the line says flash for --attention math."""
     proc = train(tmp_path, cache, "--max_steps", 1, "--sample_chars", 0)
     assert "1 process(es) on cpu, float32, attention flash_attention_for_cpu |" in proc.stdout, proc.stdout
-    model_mod = import_gpt_module("model")
+    model_mod, config = import_gpt_module("model"), import_gpt_module("config")
+    assert config.parse_args(["--attention", "math", "--model", "cpu"])[1].attention == "math"
+    assert set(model_mod.ATTENTION) == set(
+        config.Config.__dataclass_fields__["attention"].metadata["kwargs"]["choices"]
+    )
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
     cpu = torch.device("cpu")
     assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.1) == "math"
-    attention = model_mod.CausalSelfAttention(cfg)
+    assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.0, "math", 1, 4) == "math"
+    model = model_mod.GPT(cfg)
     q = torch.randn(1, 2, 16, 16, requires_grad=True)
-    ran = type(attention.attend(q, q, q, 0.0).grad_fn).__name__  # a fused kernel's backward is its own
-    assert ran == "ScaledDotProductFlashAttentionForCpuBackward0", ran
-    monkeypatch.setattr(model_mod, "attention_backends", lambda device: [model_mod.SDPBackend.MATH])
-    assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.0) == "math"
-    ran = type(attention.attend(q, q, q, 0.0).grad_fn).__name__
-    assert not ran.startswith("ScaledDotProduct"), ran
+
+    def ran():  # a fused kernel's backward is its own
+        return type(model.blocks["0"].attn.attend(q, q, q, 0.0).grad_fn).__name__
+
+    assert ran() == "ScaledDotProductFlashAttentionForCpuBackward0", ran()
+    torch.backends.cuda.enable_flash_sdp(False)  # torch's switch, which auto leaves in charge
+    try:
+        assert not ran().startswith("ScaledDotProduct"), ran()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    model_mod.choose_attention(model, "math")
+    assert not ran().startswith("ScaledDotProduct"), ran()
+    model_mod.choose_attention(model, "flash")
+    assert ran() == "ScaledDotProductFlashAttentionForCpuBackward0", ran()
+
+
+def head_gradients(model_mod, x, weight, targets, chunk, scale=1.0):
+    """The loss and the gradients of x and the head's weight, through the chunked loss (chunk) or the
+    whole logits (None), the loss scaled by `scale` before backward as a gradient scaler does."""
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    if chunk is None:
+        loss = model_mod.cross_entropy(F.linear(x, weight), targets)
+    else:
+        loss = model_mod.chunked_cross_entropy(x, weight, None, targets, chunk)
+    (loss * scale).backward()
+    return loss, x.grad, weight.grad
+
+
+def test_the_chunked_loss_ignores_padding_and_overflows_no_sooner_than_whole_logits():
+    """Targets of -100 (padding, F.cross_entropy's ignore_index) count for nothing in the chunked loss as
+    in the whole logits' (and tp's F.cross_entropy): the loss and the gradients within 1e-6, chunks of 7
+    and one of all. In fp16, 1024 positions of one target with a large first feature (80): at each loss
+    scale where the whole logits' gradients stay finite, the chunked loss's do too (the mean's gradient
+    before the matmuls). Mutations: the ignored positions counted -> the loss differs; the gradient summed
+    over the chunk and divided in backward (as before) -> non-finite at every scale."""
+    model_mod = import_gpt_module("model")
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(45, 32, generator=gen), torch.randn(50, 32, generator=gen) * 0.1
+    targets = torch.randint(50, (45,), generator=gen)
+    targets[::3] = -100
+    whole = head_gradients(model_mod, x, weight, targets, None)
+    for chunk in (7, 1024):
+        for mine, theirs in zip(head_gradients(model_mod, x, weight, targets, chunk), whole, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    x = torch.randn(1024, 64, generator=gen).half()
+    x[:, 0] = 80
+    weight, targets = (torch.randn(96, 64, generator=gen) * 0.02).half(), torch.zeros(1024, dtype=torch.long)
+    finite = []
+    for scale in (1.0, 2.0**8, 2.0**16):
+        ok = [all(g.isfinite().all() for g in head_gradients(model_mod, x, weight, targets, c, scale)[1:])
+              for c in (None, 1024)]  # fmt: skip
+        finite.append(ok)
+        assert ok[1] or not ok[0], (scale, ok)
+    assert any(whole_ok for whole_ok, _ in finite), finite  # the case tells them apart
 
 
 def loss_and_gradients(model_mod, chunk, dtype=torch.float32):

@@ -39,6 +39,8 @@ from helpers import PYTHON, import_gpt_module
         (["--slow_factor", "0.5"], "--slow_factor must be 0 or 1 or more, got 0.5"),
         (["--memory_snapshot", "m.pickle"], "--memory_snapshot records CUDA allocations: it needs a GPU"),
         (["--compile_mode", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs is for --compile"),
+        (["--batchsize", "4"], "unrecognized arguments: --batchsize 4 (did you mean --batch_size?)"),
+        (["--lr=1", "--max-steps=2"], "unrecognized arguments: --max-steps=2 (did you mean --max_steps?)"),
     ],
 )
 def test_nonsense_numbers_get_an_argparse_error(args, message, capsys, tmp_path, monkeypatch):
@@ -196,3 +198,21 @@ def test_bad_numbers_exit_2_from_the_command_line_and_write_nothing(tmp_path):
     ]
     assert proc.returncode == 2 and proc.stdout.strip().splitlines() == said, proc.stdout
     assert not list(tmp_path.iterdir())
+
+
+def test_fp16_overflows_in_a_row_end_as_a_divergence():
+    """fp16: a step whose gradients overflow is the loss scale's (halved, the step skipped, nothing
+    counted); 24 in a row (the scale from 2**16 down to 2**-8) end the run as diverged, in one line, where
+    the scale would halve for ever. 23, a clean step, then 23 more go on. Mutations: the count not reset
+    by a clean step -> the second 23 end the run; the bound left out -> the 24th goes on."""
+    guards = import_gpt_module("failures.guards")
+    checks = guards.Checks(skip_nonfinite=0, scaled=True, log=print)
+    overflow, clean = torch.tensor([2.0, math.inf, math.inf, 0.0]), torch.tensor([2.0, 1.0, 1.0, 0.0])
+    for step, values in enumerate([overflow] * 23 + [clean] + [overflow] * 23, start=1):
+        checks.add(step, values)
+    checks.read()
+    checks.add(48, overflow)
+    with pytest.raises(
+        guards.Diverged, match=r"^fp16 gradients overflowed 24 steps in a row, the last at step 48"
+    ):
+        checks.read()

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -241,16 +242,18 @@ def prepare_under_torchrun(tmp_path, text, seconds):
 
 def test_processes_wait_for_a_slow_preparation_and_share_a_failed_one(tmp_path):
     """Text given to train.py under torchrun is prepared by one process while the others wait on its lock
-    file: as long as it lives (it touches the lock every second), past their --timeout of 3 s (a preparation
-    of 10 s), each saying once what it waits for; the run trains. When the preparation fails, the process
-    that waited ends with the same message instead of preparing again: one `preparing` line, one message
-    (local rank 0's, in torchrun's summary), exit status 2. Mutations: no touching: the waiter gives up
-    after 3 s and the run never trains; no failure note: both processes prepare."""
+    file: as long as it lives (it touches the lock every second), past their --timeout of 3 s (a
+    preparation of 10 s), each saying once what it waits for, the builder once what it prepares; the run
+    trains. When the preparation fails, the process that waited ends with the same message instead of
+    preparing again: one `preparing` line, one message (local rank 0's, in torchrun's summary), exit
+    status 2. Mutations: no touching: the waiter gives up after 3 s and the run never trains; no failure
+    note: both processes prepare."""
     (tmp_path / "text.txt").write_text((REPO / "README.md").read_text())
     proc = prepare_under_torchrun(tmp_path, tmp_path / "text.txt", 10)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert proc.stdout.count("preparing in local rank") == 1, proc.stdout[-3000:]
     assert proc.stdout.count("waiting for another process to build the char shards of") == 1, proc.stdout
+    assert proc.stdout.count("preparing the char shards of ") == 1, proc.stdout  # the builder says so once
     assert "saved gpt_snapshot at step 4" in proc.stdout, proc.stdout[-3000:]
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "binary.txt").write_bytes(b"\x00\xff\xfe text")
@@ -469,15 +472,43 @@ def test_shards_that_do_not_match_their_manifest_are_refused(tmp_path, bpe, case
 
 # ---- tokenizers in runs and snapshots --------------------------------------------------------------------
 def test_bpe_run_samples_text_and_refuses_another_tokenizer(tmp_path, cache, bpe, texts):
-    """A BPE run and export sample text and resuming with another tokenizer is refused."""
+    """A BPE run and export sample text and resuming with another tokenizer is refused.
+
+    export.py's sample equals the run's own by default; with a prompt it starts with the prompt, and
+    another seed gives another text. Mutation: --seed not passed on to the sampler -> both seeds' texts
+    are one."""
     proc = train(tmp_path, cache, "--data", bpe, *SHORT[:-2], "--sample_chars", 30)
     assert "vocabulary 1000, bpe tokenizer," in proc.stdout, proc.stdout[-2000:]
+    # 4 steps logged every 5: the one line says what it covers
+    assert re.search(r"^step 4/4 \| .* \| over the 4 steps since step 0$", proc.stdout, re.M), proc.stdout
     sample = proc.stdout.split("sample:\n", 1)[1]
     assert sample.strip() and not re.fullmatch(r"[\d\s]+", sample)  # text, not ids
     exported = run(
         [PYTHON, GPT / "export.py", "gpt_snapshot", "one.pt", "--sample", 30], timeout=300, cwd=tmp_path
     )
     assert exported.stdout.split("sample:\n", 1)[1] == sample  # the same tokens, the same tokenizer
+    # a prompt, a temperature, all tokens (top-k 0) and a seed: export.py's main in this process
+    export, texts_by_seed = import_gpt_module("export"), []
+    for seed in ("7", "8"):
+        options = [
+            "--sample",
+            "30",
+            "--prompt",
+            "The",
+            "--temperature",
+            "1.5",
+            "--top_k",
+            "0",
+            "--seed",
+            seed,
+        ]
+        argv = ["export.py", str(tmp_path / "gpt_snapshot"), str(tmp_path / f"{seed}.pt"), *options]
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
+            patch.setattr(sys, "argv", argv)
+            export.main()
+        texts_by_seed.append(out.getvalue().split("sample:\n", 1)[1])
+    assert all(text.startswith("The") and len(text) > 10 for text in texts_by_seed), texts_by_seed
+    assert len({sample, *texts_by_seed}) == 3, texts_by_seed
     digest = json.loads((bpe / "manifest.json").read_text())["tokenizer"]["sha256"]
     other = tmp_path / "other"
     prepare(texts, "--out", other, "--tokenizer", "char")

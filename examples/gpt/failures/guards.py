@@ -39,16 +39,21 @@ def skip(values):
     return (~(values[0].isfinite() & values[2].isfinite())).float()
 
 
+# fp16: gradients that overflowed this many steps in a row, the loss scale halved at each (2**16 down to
+# 2**-8), overflow at any scale: the run diverged, where the scale would go on halving for ever
+OVERFLOWS_IN_A_ROW = 24
+
+
 class Checks:
     """The host's side of the checks: the verdicts of the steps it has not read yet, read at
     once (one transfer) on a step that logs, evaluates or saves. A skipped step is logged
     and counted against --skip_nonfinite (fp16's overflows are the loss scale's, not
-    counted); past those, Diverged, before the step's update and any save. Keeps the finite
-    losses since the last log line."""
+    counted, up to OVERFLOWS_IN_A_ROW); past those, Diverged, before the step's update and
+    any save. Keeps the finite losses since the last log line."""
 
     def __init__(self, skip_nonfinite, scaled, log):
         self.skip_nonfinite, self.scaled, self.log = skip_nonfinite, scaled, log
-        self.pending, self.losses, self.skipped = [], [], 0
+        self.pending, self.losses, self.skipped, self.overflows = [], [], 0, 0
 
     def add(self, step, values):
         self.pending.append((step, values))
@@ -63,6 +68,12 @@ class Checks:
             norm = norm if norm_ok else norms
             if loss_ok:
                 self.losses.append(loss)
+            self.overflows = 0 if norm_ok else self.overflows + 1
+            if loss_ok and self.scaled and self.overflows >= OVERFLOWS_IN_A_ROW:
+                raise Diverged(
+                    f"fp16 gradients overflowed {self.overflows} steps in a row, the last at step {step}: "
+                    "halving the loss scale each time did not help (try --dtype bf16 or fp32)"
+                )
             if loss_ok and (norm_ok or self.scaled):
                 continue
             what, value = ("loss", loss) if not loss_ok else ("gradient norm", norm)

@@ -150,7 +150,10 @@ def opening(t):
     processes, precision, attention kernel and layout."""
     a, params, dtype = t.args, t.params / 1e6, str(t.dtype).removeprefix("torch.")
     tokens = f"{t.corpus.tokenizer.kind} tokenizer" if t.corpus.tokenizer else "no tokenizer"
-    kernel = attention_kernel(t.raw.cfg, t.device, t.dtype, t.raw.cfg.dropout)
+    heads = t.raw.cfg.n_head // t.layout.tp  # this process's share
+    kernel = attention_kernel(
+        t.raw.cfg, t.device, t.dtype, t.raw.cfg.dropout, a.attention, heads, a.batch_size
+    )
     return (
         f"model {a.model}: {params:.2f}M parameters, vocabulary {t.corpus.vocab_size}, {tokens}, "
         f"{len(t.train_data)} training tokens | {t.world} process(es) on {t.device.type}, "
@@ -161,8 +164,9 @@ def opening(t):
 
 def log_interval(t, loss, norm, steps, seconds):
     """One line (and one metrics record) for trainer t's steps since the last one, nanoGPT style;
-    the gradient norm is the last step's, before clipping; the learning rate the last step's. A
-    collective where --slow_factor times the processes."""
+    the gradient norm is the last step's, before clipping; the learning rate the last step's. Steps
+    other than --log_every (the first line after a resume, the last) are said. A collective where
+    --slow_factor times the processes."""
     a, lr = t.args, t.optimizer.param_groups[0]["lr"]
     tokens_per_s = steps * a.global_batch * a.block_size / seconds
     mfu = None if t.peak is None else tokens_per_s / t.world * t.flops_per_token / t.peak
@@ -170,6 +174,7 @@ def log_interval(t, loss, norm, steps, seconds):
         f"step {t.step}/{a.max_steps} | loss {loss:.4f} | grad norm {norm:.3g} | lr {lr:.2e} | "
         f"{seconds / steps * 1000:.1f} ms/step | {tokens_per_s:.0f} tokens/s | "
         f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+        + ("" if steps == a.log_every else f" | over the {steps} steps since step {t.step - steps}")
     )
     fields = dict(loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_s)
     fields.update(step_ms=seconds / steps * 1000)
