@@ -5,6 +5,7 @@ accelerate launch --config_file accelerate/one_node.yaml recipe_accelerate.py 10
 
 import argparse
 import contextlib
+import difflib
 import functools
 import json
 import math
@@ -52,6 +53,9 @@ def signals_held():  # loader workers started meanwhile never get them: the rank
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):  # a typo: the nearest option
+            near = difflib.get_close_matches(message.split()[2].split("=")[0], self._option_string_actions)
+            message += f" (did you mean {near[0]}?)" if near else ""
         if "LOCAL_RANK" not in os.environ:
             super().error(message)  # python alone: argparse's usage line and message
         refuse(message)  # under torchrun: said once, in torchrun's summary

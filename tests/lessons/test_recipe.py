@@ -249,12 +249,15 @@ def test_a_resume_moves_the_model_before_it_loads_the_optimizer_state(tmp_path):
         (["1", "1", "--log_every", "0"], "log_every must be positive and finite, got 0"),
         (["1", "1", "--clip", "-1"], "clip must be 0 or more, got -1.0"),
         (["1", "1", "--save_steps", "15"], "save_steps must be a multiple of log_every (10)"),
+        (["1", "1", "--batchsize", "8"], "arguments: --batchsize 8 (did you mean --batch_size?)"),
+        (["1", "1", "--lr=1", "--nosuch"], "unrecognized arguments: --nosuch\n"),
     ],
 )
 @pytest.mark.parametrize("script", ["recipe", "recipe_accelerate"])
 def test_bad_input_is_refused_with_exit_2(tmp_path, monkeypatch, capsys, script, args, message):
     """Said once, exit status 2, no traceback, nothing written: the lessons' refuse() (under torchrun, said
-    once in its summary), before any training (a missing snapshot folder too, not at the first save).
+    once in its summary), before any training (a missing snapshot folder too, not at the first save); a
+    misspelt option names the nearest. Mutation: the suggestion left out -> the typo's case fails.
     Mutation: the check `0 < value < inf` written `value > 0` -> --lr inf passes it and the run goes on to
     need a process group: a traceback, not exit 2."""
     monkeypatch.chdir(tmp_path)
