@@ -360,6 +360,8 @@ def import_gpt_module(name):
 REFERENCE_EPOCHS, REFERENCE_BATCH = 4, 64
 REFERENCE_ARGS = ["--seed", "3", "--momentum", "0.9"]
 EXIT_PROBE = {"PYTHONPATH": str(SITES / "exit_probe")}  # each process reports its threads at exit
+# mp.spawn forks its processes from the parent that imported torch: for runs whose subject is not the start
+SPAWN_BY_FORK = {"PYTHONPATH": str(SITES / "spawn_by_fork")}
 
 
 def load_snapshot(path):

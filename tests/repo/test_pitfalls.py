@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from helpers import PYTHON, REPO, run
+from helpers import PYTHON, REPO, SPAWN_BY_FORK, run
 
 # pytest-timeout's bound above the report's own 1200 s (the first test to use the report runs it)
 pytestmark = [pytest.mark.demo, pytest.mark.timeout(1260)]
@@ -36,7 +36,9 @@ NEEDS_GPUS = {"batchnorm_stats": "error: --fixed needs 2 GPUs: torch runs SyncBa
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("pitfalls") / "report.json"
-    proc = run([PYTHON, REPO / "demos" / "pitfalls.py", "--json", out], timeout=1200, check=False)
+    # the ranks mp.spawn starts are forked (tests/programs/sites/spawn_by_fork): 4 CPU-s less a run
+    cmd = [PYTHON, REPO / "demos" / "pitfalls.py", "--json", out]
+    proc = run(cmd, timeout=1200, check=False, env=SPAWN_BY_FORK)
     return proc, {r["name"]: r for r in json.loads(out.read_text())}
 
 
