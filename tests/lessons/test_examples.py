@@ -21,6 +21,7 @@ from helpers import (
     REFERENCE_EPOCHS,
     REPO,
     SITES,
+    SPAWN_BY_FORK,
     VENV,
     TrainLog,
     bound,
@@ -250,7 +251,8 @@ def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
     instruction set: on an AVX-512 machine `--nproc 4 --lr 0.2` printed 0.000103048 for the page's
     0.000103047 (AVX2; MKL_CBWR=AVX2 gave it back there). Mutation: the page's 2.10244 as 2.10254: fails.
 
-    Over a minute: the five commands the page quotes (65 s in a whole run)."""
+    The five commands the page quotes, their ranks forked from the parent (SPAWN_BY_FORK: the losses are
+    the subject, not how a process starts; the page's commands spawn)."""
     text = (REPO / "docs" / "lessons.md").read_text()
     section = text.split("## Why the first epochs differ")[1].split("\n## ")[0]
     rows = []
@@ -264,7 +266,7 @@ def test_the_batch_size_lesson_quotes_what_its_commands_print(tmp_path):
     assert len(rows) == 5, rows  # three process counts, two remedies
     for script, options, first, second in rows:
         cmd = [VENV / "bin" / "python", REPO / script, 2, 1, *options.split(), "--snapshot_path", "s.pt"]
-        losses = TrainLog(run(cmd, timeout=300, cwd=tmp_path).stdout).losses
+        losses = TrainLog(run(cmd, timeout=300, cwd=tmp_path, env=SPAWN_BY_FORK).stdout).losses
         (tmp_path / "s.pt").unlink()
         assert losses == pytest.approx([float(first), float(second)], rel=1e-5, abs=0), (script, options)
 
