@@ -2,7 +2,8 @@
 
 One fp16 run (2 processes, 2 loader workers each, 2 epochs: the loss scaler, clipping the unscaled gradients,
 the warm-up) and one fp32 run are shared by the tests of this file; each further launch checks one more
-claim. Every run is on the CPU (gloo; fp16 by torch's CPU autocast and GradScaler), one thread a process.
+claim. Every run is on the CPU (gloo; fp16 by torch's CPU autocast and GradScaler), one thread a process;
+torchrun starts the runs whose subject it is part of (a signal, a refusal in its summary), the rest fork.
 """
 
 import argparse
@@ -18,7 +19,18 @@ import time
 
 import pytest
 import torch
-from helpers import EXAMPLES, PYTHON, SITES, bound, example_cmd, kill_group, load_snapshot, popen, run
+from helpers import (
+    EXAMPLES,
+    FORKRUN,
+    PYTHON,
+    SITES,
+    bound,
+    example_cmd,
+    kill_group,
+    load_snapshot,
+    popen,
+    run,
+)
 from safetensors.torch import load_file
 
 RECIPE = EXAMPLES / "recipe.py"
@@ -37,8 +49,11 @@ STOPPED_RE = re.compile(
 )
 
 
-def launch(folder, nproc, *args, env=None):
-    cmd = example_cmd("recipe", *args, nproc=nproc)
+def launch(folder, nproc, *args, env=None, torchrun=False):
+    """recipe.py's output on nproc processes forked from one that imported torch (FORKRUN: one import of
+    torch, not nproc + 1), or under torchrun where its part is tested (atexit handlers run there)."""
+    cmd = example_cmd("recipe", *args, nproc=nproc) if torchrun else [*FORKRUN, f"--nproc-per-node={nproc}"]
+    cmd += [] if torchrun else [RECIPE, *args]
     return run(cmd, timeout=300, cwd=folder, env={**ONE_THREAD, **(env or {})}).stdout
 
 
@@ -66,7 +81,7 @@ def fp16(tmp_path_factory):
 def fp32(tmp_path_factory):
     """(folder, output) in fp32 without loader workers, each DDP counting its gradient all-reduces."""
     folder = tmp_path_factory.mktemp("fp32")
-    return folder, launch(folder, 2, *FP32, env={"PYTHONPATH": str(SITES / "count_allreduce")})
+    return folder, launch(folder, 2, *FP32, env={"PYTHONPATH": str(SITES / "count_allreduce")}, torchrun=True)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
