@@ -34,8 +34,7 @@ class Augmented(TensorDataset):  # training images, shifted by up to a pixel and
 
     def __getitem__(self, index):
         image, label = super().__getitem__(index)
-        # its own random numbers in this epoch, whatever the processes and workers
-        random = numpy.random.default_rng([self.seed, self.epoch, index])
+        random = numpy.random.default_rng([self.seed, self.epoch, index])  # whatever the processes
         dy, dx = random.integers(0, 3, size=2)
         image = nn.functional.pad(image, (1, 1, 1, 1))[:, dy : dy + 8, dx : dx + 8]
         return image + torch.tensor(random.normal(0, 0.1, image.shape), dtype=torch.float32), label
@@ -71,8 +70,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # no underflow
         self.sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
         self.loading = {"num_workers": args.workers, "pin_memory": device.type == "cuda"}  # pinned: faster
-        # this process's share of the validation images, none repeated: their sums are exact
-        share = Subset(val_set, range(self.rank, len(val_set), self.world_size))
+        share = Subset(val_set, range(self.rank, len(val_set), self.world_size))  # none twice: exact sums
         self.val_data = DataLoader(share, args.batch_size, **self.loading)
         batches = len(self.sampler) // args.batch_size
         if batches < args.grad_accum:
@@ -258,8 +256,7 @@ def get_args(parser):
 def load_train_objs(args):
     """The same in every process: the digits split by the seed, a small CNN, AdamW."""
     pixels, digits = sklearn.datasets.load_digits(return_X_y=True)  # shipped with scikit-learn
-    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
-    labels = torch.tensor(digits)
+    images, labels = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16, torch.tensor(digits)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))
     val, train = order[:359], order[359:]  # of the 1,797 images
     train_set, val_set = Augmented(images[train], labels[train]), TensorDataset(images[val], labels[val])
