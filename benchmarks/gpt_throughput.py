@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -28,6 +29,8 @@ from unittest import mock
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(TRAIN.parent))  # config: train.py's options and layouts
+# what starts a run of more than one process, given --nproc-per-node=N (--launcher: another command)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 VARIANTS = {
     # name: (processes, threads per process)
     "one_process_2_threads": (1, 2),
@@ -69,16 +72,15 @@ def data_parallel_shares(strategy, procs, train_args):
 
 
 def run_training(
-    name, procs, threads, train_args, work, *, steps, cache_dir, limit, log_every=None, cpu=True
-):
-    """train.py for `steps` steps on `procs` processes (torchrun when more than one), on the CPU unless cpu
-    is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last line).
-    """
+    name, procs, threads, train_args, work, *, steps, cache_dir, limit, log_every=None, cpu=True,
+    launcher=TORCHRUN,
+):  # fmt: skip
+    """train.py for `steps` steps on `procs` processes (the launcher when more than one), on the CPU unless
+    cpu is False: its metrics records and its output. A failed run raises TrainingFailed (its error's last
+    line)."""
     metrics, snapshot = work / f"{name}.jsonl", work / f"{name}-snapshot"  # a directory
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable]
-    if procs > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    cmd = [*launcher, f"--nproc-per-node={procs}"] if procs > 1 else [sys.executable]
     cmd += [TRAIN, "--max_steps", steps, "--log_every", log_every or steps, "--eval_every", steps]
     cmd += ["--eval_samples", 16, "--sample_chars", 0, "--save_every", steps, "--metrics_path", metrics]
     cmd += ["--snapshot_path", snapshot, "--cache_dir", cache_dir, *train_args]
@@ -154,6 +156,10 @@ def main():
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=900, help="seconds one run may take (900)")
     p.add_argument("--out", help="also write the results as JSON here")
+    p.add_argument(
+        "--launcher", type=shlex.split, default=TORCHRUN, metavar="COMMAND",
+        help="what starts a run's processes, given --nproc-per-node=N (torchrun --standalone)",
+    )  # fmt: skip
     args, train_args = p.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
     for key in ("rounds", "steps", "log_every", "global_batch", "limit"):
@@ -181,6 +187,7 @@ def main():
                     records, output = run_training(
                         name, procs, threads, [*extra, *train_args], Path(tmp), steps=args.steps,
                         log_every=args.log_every, cache_dir=args.cache_dir, limit=args.limit,
+                        launcher=args.launcher,
                     )  # fmt: skip
                 except TrainingFailed as exc:
                     if args.strategies is None or name == baseline:

@@ -3,6 +3,7 @@ The corpus cache every run reads is tests/gpt/conftest.py's fixture `cache`."""
 
 import os
 import re
+import shlex
 
 from helpers import EXAMPLES, FORKRUN, GPT_ON_PATH, PROGRAMS, PYTHON, REPO, TORCHRUN, import_gpt_module
 from helpers import run as run_as_is
@@ -10,6 +11,9 @@ from helpers import run as run_as_is
 GPT = EXAMPLES / "gpt"
 TRAIN = GPT / "train.py"
 BENCH_GPT = REPO / "benchmarks" / "gpt_throughput.py"
+# the benchmark's runs of 2 processes forked from one that imported torch and the trainer (its --launcher),
+# where torchrun's agent and workers import them 3 times: for tests whose subject is the report
+BENCH_FORKED = ["--launcher", shlex.join(map(str, FORKRUN))]
 TINY = ["--n_layer", 2, "--n_head", 2, "--n_embd", 64, "--block_size", 64, "--eval_samples", 32]
 TINY += ["--sample_chars", 20, "--log_every", 5, "--eval_every", 30, "--warmup_steps", 5, "--lr", 1e-3]
 VAL_RE = re.compile(r"^step (\d+) \| val loss ([0-9.]+)$", re.M)

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from gpt_helpers import run, train
+from gpt_helpers import BENCH_FORKED, BENCH_GPT, run, train
 from helpers import (
     PROGRAMS,
     PYTHON,
@@ -142,7 +142,7 @@ COMPARISONS = [("--shards", "shards", "in_memory", 0.98), ("--metrics", "metrics
 def test_the_benchmark_prints_the_ratio_of_the_two_runs_it_made(
     tmp_path, cache, flag, variant, baseline, goal
 ):
-    cmd = [PYTHON, REPO / "benchmarks/gpt_throughput.py", flag, "--rounds", 1, "--steps", 4, "--log_every", 2]
+    cmd = [PYTHON, BENCH_GPT, flag, "--rounds", 1, "--steps", 4, "--log_every", 2, *BENCH_FORKED]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "out.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=900)

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from gpt_helpers import BENCH_GPT, run, train
+from gpt_helpers import BENCH_FORKED, BENCH_GPT, run, train
 from helpers import PYTHON, REPO, import_gpt_module
 
 
@@ -36,6 +36,7 @@ def test_gpu_checks_table_names_the_fastest_run_that_fits_40_gb(tmp_path, cache)
 
 # ---- benchmark --------------------------------------------------------------------------------------
 def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache):
+    """Under torchrun, as users run it."""
     cmd = [PYTHON, BENCH_GPT, "--rounds", 1, "--steps", 6, "--log_every", 3]
     cmd += ["--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "gpt.json", "--"]
     cmd += ["--n_layer", 1, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
@@ -49,11 +50,11 @@ def test_the_benchmark_runs_both_variants_and_prints_their_ratio(tmp_path, cache
 def test_the_benchmark_compares_every_strategy_with_ddp(tmp_path, cache):
     """The benchmark compares every strategy with DDP at the same global batch.
 
-    Over a minute: one torchrun launch per strategy, as the benchmark runs them (2 min in a whole run)."""
+    One launch per strategy, forked (BENCH_FORKED)."""
     choices = next(
         a for a in import_gpt_module("config").get_parser()._actions if a.dest == "parallel"
     ).choices
-    cmd = [PYTHON, BENCH_GPT, "--strategies", "--rounds", 1, "--steps", 4]
+    cmd = [PYTHON, BENCH_GPT, "--strategies", "--rounds", 1, "--steps", 4, *BENCH_FORKED]
     cmd += ["--log_every", 2, "--global_batch", 8, "--cache_dir", cache, "--out", tmp_path / "s.json", "--"]
     cmd += ["--n_layer", 2, "--n_head", 2, "--n_embd", 16, "--block_size", 16]
     proc = run(cmd, timeout=600)  # a strategy at another global batch would end it with an error
