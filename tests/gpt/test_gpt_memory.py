@@ -1,5 +1,5 @@
 """The GPT trainer's memory options: gradients that stay sharded under accumulation (FSDP2 reduce-scatters
-every micro-batch), activation checkpointing (--ac) on several layouts and under --compile, pp x FSDP that
+every micro-batch), activation checkpointing (--ac) on several layouts (under --compile: test_gpt_compile.py), pp x FSDP that
 gathers each block once a step with a dropout stream per stage, and initial values cut on the CPU. Every
 run trains unclipped (--grad_clip 0), so a wrong gradient scale shows in the weights and the AdamW state.
 Tiny model, a few steps each.
@@ -154,14 +154,6 @@ def test_ac_under_pp_with_dropout_recomputes_the_same_masks(tmp_path, cache):
     train(tmp_path / "none", cache, *args, nproc=2)
     train(tmp_path, cache, *args, "--ac", "full", nproc=2)
     assert_same_state(saved(tmp_path), saved(tmp_path / "none"), 1e-6)
-
-
-def test_ac_under_compile_trains_as_the_eager_run_without(tmp_path, cache, one):
-    """Compiled, the kernels fuse otherwise than eager ones: float rounding apart, as test_gpt.py's compiled
-    run without --ac. Over a minute where the machine is busy: inductor compiles the forward, the recomputed
-    forward and the backward in one process (30 CPU-s; 42 to 60 s in whole runs)."""
-    train(tmp_path, cache, *STEPS, "--batch_size", 16, "--compile", "--ac", "full")
-    assert_same_state(saved(tmp_path), saved(one), 1e-4)
 
 
 @pytest.mark.parametrize(
