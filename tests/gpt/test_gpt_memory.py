@@ -1,13 +1,13 @@
 """The GPT trainer's memory options: gradients that stay sharded under accumulation (FSDP2 reduce-scatters
-every micro-batch), activation checkpointing (--ac) on several layouts (under --compile: test_gpt_compile.py), pp x FSDP that
-gathers each block once a step with a dropout stream per stage, and initial values cut on the CPU. Every
-run trains unclipped (--grad_clip 0), so a wrong gradient scale shows in the weights and the AdamW state.
-Tiny model, a few steps each.
+every micro-batch), activation checkpointing (--ac) on several layouts (under --compile:
+test_gpt_compile.py), pp x FSDP that gathers each block once a step with a dropout stream per stage, and
+initial values cut on the CPU. Every run trains unclipped (--grad_clip 0), so a wrong gradient scale shows
+in the weights and the AdamW state. Tiny model, a few steps each.
 
-And the memory meter (examples/gpt/observability/memory.py) with the report of benchmarks/gpt_memory.py
-built on it: its counts per rank against a direct count, under DDP and FSDP2, and its refusals. The
-report's runs: under 60 s (49 s on 2 shared cores at load average 2 to 3, 110 s at 4 to 5; each torchrun
-start imports torch three times)."""
+And the memory meter (examples/gpt/observability/memory.py) with the report of benchmarks/gpt_memory.py built
+on it: its counts per rank against a direct count, under DDP and FSDP2, and its refusals. The report's runs:
+under 60 s (49 s on 2 shared cores at load average 2 to 3, 110 s at 4 to 5; each torchrun start imports torch
+three times)."""
 
 import json
 import re
