@@ -110,7 +110,7 @@ class Corpus:
     def __init__(self, folder, manifest, tokenizer, digest):
         self.folder, self.manifest, self.tokenizer, self.digest = folder, manifest, tokenizer, digest
         self.vocab_size = manifest["tokenizer"]["vocab_size"]
-        self.data_digest = manifest.get("data_sha256") or sampled_digest(folder, manifest, digest)
+        self.data_digest = sampled_digest(folder, manifest, digest)
         self.unigram = manifest.get("unigram_entropy")
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[manifest["dtype"]]
         self.train, self.val = (
@@ -136,23 +136,25 @@ class Corpus:
         return 0 if self.tokenizer is None else self.tokenizer.start_id()
 
 
-SAMPLE = 1 << 20  # bytes read at each end of a shard that has no digest
+BLOCKS, BLOCK = 16, 1 << 16  # read of each shard at start-up: 16 blocks of 64 KiB, from its start to its end
 
 
 def sampled_digest(folder, manifest, tokenizer_digest):
-    """The data's digest where no manifest holds one (nanoGPT's shards, or a folder that prepare.py
-    wrote before it wrote one): the vocabulary, the tokenizer, and each shard's size and first and
-    last MiB, read once at start-up; never the whole corpus, which may be larger than memory. Two
-    corpora of the same sizes that differ only in their middle go unnoticed: prepare.py's digest
-    covers every byte."""
-    digest = hashlib.sha256(f"{manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n".encode())
+    """The data as it is on disk now: prepare.py's digest of every byte where the manifest holds one
+    (nanoGPT's shards and older folders have none), the vocabulary, the tokenizer, and each shard's size and
+    16 blocks spread evenly from its start to its end, read at start-up; never the whole corpus, which may
+    be larger than memory. A shard changed after it was prepared differs where a block falls: at its ends,
+    a sixteenth of its middle, and all of a shard under 1 MiB."""
+    head = f"{manifest.get('data_sha256')} {manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n"
+    digest = hashlib.sha256(head.encode())
     for name in prepare.SHARDS:
         shard = manifest["shards"][name]
         digest.update(f"{name} {shard['bytes']}\n".encode())
+        last = max(shard["bytes"] - BLOCK, 0)  # the last block's start
         with open(folder / shard["file"], "rb") as f:
-            digest.update(f.read(SAMPLE))
-            f.seek(max(shard["bytes"] - SAMPLE, 0))
-            digest.update(f.read(SAMPLE))
+            for i in range(BLOCKS):
+                f.seek(last * i // (BLOCKS - 1))
+                digest.update(f.read(BLOCK))
     return digest.hexdigest()
 
 

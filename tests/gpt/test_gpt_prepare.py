@@ -284,8 +284,9 @@ def test_nodes_given_different_data_are_refused_before_step_1(tmp_path):
 
     Two nodes given folders prepared from the same lines in another order: one character tokenizer, the
     same shard sizes, other ids. Both refuse before step 1 in one line naming each rank's data digest
-    (prepare.py's, from the manifest) and host, and write nothing; given one folder, they train.
-    Mutation: the comparison in train.py removed: both nodes train on their own data and exit 0."""
+    (data.py's, of the manifest's and the shards' sampled blocks) and host, and write nothing; given one
+    folder, they train. Mutation: the comparison in train.py removed: both nodes train on their own data
+    and exit 0."""
     prepare_mod = import_gpt_module("prepare")
     lines = (REPO / "README.md").read_text().splitlines(keepends=True)
     manifests = {}
@@ -296,12 +297,13 @@ def test_nodes_given_different_data_are_refused_before_step_1(tmp_path):
     a, b = manifests["a"], manifests["b"]
     assert (a["tokenizer"], a["shards"]) == (b["tokenizer"], b["shards"])
     assert a["data_sha256"] != b["data_sha256"]
+    digests = {name: import_gpt_module("data").open_shards(tmp_path / name).data_digest for name in "ab"}
     ended = two_nodes(tmp_path, [tmp_path / "a", tmp_path / "b"], "refused")
     host = socket.gethostname()
     said = {
         f"error: the processes would train on different data: ranks [1] (host {host}) have data digest "
-        f"{manifests[other]['data_sha256'][:12]} where ranks [0] (host {host}) have "
-        f"{manifests[first]['data_sha256'][:12]}: prepare it once (examples/gpt/prepare.py --out DIR) on "
+        f"{digests[other][:12]} where ranks [0] (host {host}) have "
+        f"{digests[first][:12]}: prepare it once (examples/gpt/prepare.py --out DIR) on "
         "storage every node shares and pass --data DIR on every node"
         for first, other in (("a", "b"), ("b", "a"))
     }
@@ -315,11 +317,14 @@ def test_nodes_given_different_data_are_refused_before_step_1(tmp_path):
     assert "saved trained at step 2" in "".join(out for _, out in ended), ended
 
 
-def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_path):
-    """A folder prepared before manifests held data_sha256, and nanoGPT's shards, load with a digest of the
-    vocabulary, the tokenizer and each shard's size, first and last MiB (no whole read); prepare.py writes
-    the old folder again, to hold its digest. Mutation: the sampled digest without the shards' bytes: the
-    lines of one text in another order read as the same data."""
+def test_the_data_digest_reads_the_shards_as_they_are_now(tmp_path):
+    """The digest the processes compare: prepare.py's of every byte where the manifest holds one, with the
+    vocabulary, the tokenizer, each shard's size and 16 blocks spread over it (all of a shard under 1 MiB),
+    read at start-up. A prepared folder whose train.bin changed in its middle afterwards has another; so do
+    the same folder without data_sha256 (written before manifests held it) and nanoGPT's shards, and each
+    of them for one text's lines in another order. Mutations: the manifest's digest alone (as before) ->
+    the changed folder reads as the prepared one; the blocks left out -> the reordered lines read as the
+    same data."""
     prepare_mod, data = import_gpt_module("prepare"), import_gpt_module("data")
     lines = (REPO / "README.md").read_text().splitlines(keepends=True)
     digests = []
@@ -327,7 +332,16 @@ def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_pa
         (tmp_path / f"{name}.txt").write_text("".join(text))
         sources, out = [str(tmp_path / f"{name}.txt")], tmp_path / name
         manifest = prepare_mod.prepare(sources, out, "char", log=lambda text: None, workers=1)
-        assert data.open_shards(out).data_digest == manifest["data_sha256"]
+        digests.append(data.open_shards(out).data_digest)
+        changed = tmp_path / f"{name}-changed"
+        shutil.copytree(out, changed)
+        with open(changed / "train.bin", "r+b") as f:  # one token in the middle, the size kept
+            f.seek(manifest["shards"]["train"]["bytes"] // 2)
+            token = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([token[0] ^ 1]))
+        assert prepare_mod.is_prepared(changed, manifest["input"])  # the manifest still says prepared
+        digests.append(data.open_shards(changed).data_digest)
         del manifest["data_sha256"]  # as prepare.py wrote it before
         (out / "manifest.json").write_text(json.dumps(manifest))
         digests.append(data.open_shards(out).data_digest)
@@ -337,7 +351,7 @@ def test_folders_without_a_data_digest_load_named_by_their_sizes_and_ends(tmp_pa
         for shard in ("train.bin", "val.bin"):
             shutil.copy(out / shard, nanogpt)
         digests.append(data.open_shards(nanogpt, manifest["tokenizer"]["vocab_size"]).data_digest)
-    assert len(set(digests)) == 4, digests
+    assert len(set(digests)) == 8, digests
     prepare_mod.prepare(sources, out, "char", log=lambda text: None, workers=1)
     assert "data_sha256" in json.loads((out / "manifest.json").read_text())
 
