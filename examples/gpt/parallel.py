@@ -558,15 +558,15 @@ class Pipeline(Parallel):
         # head and the loss together, in chunks (model.py)
         self.schedule = schedule(stage, args.pp_microbatches, loss_fn=module.head_loss)
         # the first and the last stage each hold a copy of the token embedding, which is also the
-        # head: one group per such pair (every process creates every group, in the same order)
-        self.tied = None
+        # head: a group per such pair, this process's (None in a middle stage)
         others = itertools.product(*(range(getattr(layout, d)) for d in DATA_DIMS))
-        for coords in others:
-            at = dict(zip(DATA_DIMS, coords, strict=True))
-            pair = [layout.rank(pp=0, **at), layout.rank(pp=self.stages - 1, **at)]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                self.tied = group
+        ats = [dict(zip(DATA_DIMS, coords, strict=True)) for coords in others]
+        pairs = [[layout.rank(pp=0, **at), layout.rank(pp=self.stages - 1, **at)] for at in ats]
+        if dist.get_backend() == "nccl":  # one split of the world's communicator makes them all
+            self.tied = dist.split_group(split_ranks=pairs, group_desc="tied embedding")
+        else:  # every process creates every group, in the same order
+            groups = [(pair, dist.new_group(pair)) for pair in pairs]
+            self.tied = next((group for pair, group in groups if dist.get_rank() in pair), None)
 
     def sync(self, enabled):
         return nullcontext()  # the schedule's micro-batches are the accumulation
