@@ -136,16 +136,18 @@ class Corpus:
         return 0 if self.tokenizer is None else self.tokenizer.start_id()
 
 
-BLOCKS, BLOCK = 16, 1 << 16  # read of each shard at start-up: 16 blocks of 64 KiB, from its start to its end
+BLOCKS, BLOCK = 16, 1 << 16  # each shard's part read at start-up: 16 blocks of 64 KiB
 
 
 def sampled_digest(folder, manifest, tokenizer_digest):
-    """The data as it is on disk now: prepare.py's digest of every byte where the manifest holds one
-    (nanoGPT's shards and older folders have none), the vocabulary, the tokenizer, and each shard's size and
-    16 blocks spread evenly from its start to its end, read at start-up; never the whole corpus, which may
-    be larger than memory. A shard changed after it was prepared differs where a block falls: at its ends,
-    a sixteenth of its middle, and all of a shard under 1 MiB."""
-    head = f"{manifest.get('data_sha256')} {manifest['tokenizer']['vocab_size']} {tokenizer_digest}\n"
+    """The data as it is on disk now: prepare.py's digest of every byte where the manifest
+    holds one (nanoGPT's shards and older folders have none), the vocabulary, the tokenizer,
+    and each shard's size and 16 blocks spread evenly from its start to its end, read at
+    start-up; never the whole corpus, which may be larger than memory. A shard changed after
+    it was prepared differs where a block falls: at its ends, a sixteenth of its middle, and
+    all of a shard under 1 MiB."""
+    vocab = manifest["tokenizer"]["vocab_size"]
+    head = f"{manifest.get('data_sha256')} {vocab} {tokenizer_digest}\n"
     digest = hashlib.sha256(head.encode())
     for name in prepare.SHARDS:
         shard = manifest["shards"][name]
