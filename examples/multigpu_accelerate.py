@@ -52,7 +52,8 @@ class Trainer:
             loss = self.accelerator.reduce(loss, reduction="mean")  # the mean over the processes
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:  # one process logs and saves for all
-                print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
+                # the line and its newline in one write: a Ctrl-C cannot cut it in two
+                print(f"{progress} | world_size {dist.get_world_size()}\n", end="", flush=True)
                 if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                     model = self.accelerator.unwrap_model(self.model)  # the model inside DDP, if any
                     save_snapshot(self.args.snapshot_path, model, self.optimizer, epoch + 1)

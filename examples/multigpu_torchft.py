@@ -66,7 +66,8 @@ class Trainer:
             epoch = self.manager.current_step() // len(self.train_data)
             # every group logs and saves its own snapshot
             progress = f"epoch {epoch}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            print(f"{progress} | world_size {self.manager.num_participants()}", flush=True)
+            # the line and its newline in one write: a Ctrl-C cannot cut it in two
+            print(f"{progress} | world_size {self.manager.num_participants()}\n", end="", flush=True)
             if epoch % self.args.save_every == 0 or epoch == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch)
         # torchft's threads and group end now: left to the interpreter's exit, they may abort it

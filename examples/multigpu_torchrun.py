@@ -56,7 +56,8 @@ class Trainer:
             loss = loss / dist.get_world_size()
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
             if dist.get_rank() == 0:  # one process logs and saves for all
-                print(f"{progress} | world_size {dist.get_world_size()}", flush=True)
+                # the line and its newline in one write: a Ctrl-C cannot cut it in two
+                print(f"{progress} | world_size {dist.get_world_size()}\n", end="", flush=True)
                 if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                     save_snapshot(self.args.snapshot_path, self.model.module, self.optimizer, epoch + 1)
 

@@ -38,7 +38,8 @@ class Trainer:
         for epoch in range(self.epochs_run, self.args.total_epochs):
             loss = self._run_epoch(epoch)
             progress = f"epoch {epoch + 1}/{self.args.total_epochs} | loss {loss.item():.6g}"
-            print(f"{progress} | world_size 1", flush=True)
+            # the line and its newline in one write: a Ctrl-C cannot cut it in two
+            print(f"{progress} | world_size 1\n", end="", flush=True)
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs:
                 save_snapshot(self.args.snapshot_path, self.model, self.optimizer, epoch + 1)
 
