@@ -13,7 +13,7 @@ from ac import MODES as AC_MODES
 from data import default_cache_dir
 from observability import traces
 from options import check, derived, not_negative, option, parser_for, positive, writable
-from parallel import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout
+from parallel.mesh import SCHEDULES, SHORTHAND, Layout, layout_checks, make_layout
 from snapshots import hf
 
 
@@ -212,8 +212,8 @@ class Config:
         choices=SCHEDULES,
     )
     pp_microbatches: int = option("pp: micro-batches each batch is cut into (%(default)s)", 4, positive)
-    # parallel.make_layout's, from the degrees or
-    # --parallel and WORLD_SIZE; its checks parallel.py's
+    # parallel/mesh.py's make_layout, from the degrees or
+    # --parallel and WORLD_SIZE; its checks mesh.py's
     layout: Layout = derived(lambda c, _: layout_checks(c, c.layout, torch.cuda.is_available()))  # noqa: RUF009
 
 

@@ -45,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj_dropout = nn.Dropout(cfg.dropout)
         # tensor parallel: which share of the heads this
-        # process computes (parallel.apply_tp sets it)
+        # process computes (parallel/tensor_parallel.py sets it)
         self.head_share = None
         self.kernels = None  # --attention's (choose_attention): None leaves torch its own choice
 
@@ -154,7 +154,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         # grad mode read first: evaluation and sampling then never read recompute, so a compiled
-        # block's graphs for them serve every block (parallel.apply_compile), recomputed or not
+        # block's graphs for them serve every block (parallel/apply.py), recomputed or not
         if torch.is_grad_enabled() and self.recompute:
             # keep the input only; backward recomputes the
             # rest, with the same random state (dropout)
@@ -181,16 +181,16 @@ class GPT(nn.Module):
         if self.head.bias is not None:  # frozen: 0 for the vocabulary, PADDING_SCORE for the padding
             self.head.bias.requires_grad_(False)
         # positions per chunk of the loss (head_loss); None under tp, whose head leaves the logits
-        # split over the vocabulary (parallel.apply_tp): 1/tp of them per process, their loss
+        # split over the vocabulary (parallel/tensor_parallel.py): 1/tp of them per process, their loss
         # computed on that split
         self.loss_chunk = 1024
-        # a pipeline's last stage sets it (parallel.split_stage): forward then stops at
+        # a pipeline's last stage sets it (parallel/pipeline_parallel.py): forward then stops at
         # the final norm, and the schedule's loss function applies the head
         # (head_loss), so its loss is chunked too
         self.stop_before_head = False
         # no initialisation here: the model is usually built on the meta device, and
         # each process then fills in its own part of every parameter
-        # (parallel.materialise, with initial_value below)
+        # (parallel/apply.py materialise, with initial_value below)
 
     def init_weights(self, seed):
         """Every parameter as initial_value makes it:
@@ -219,7 +219,7 @@ class GPT(nn.Module):
 
     def layers(self, x):
         """Token ids through every part this module holds, in order: the whole model maps
-        them to the final norm's output. A pipeline stage (parallel.split_stage) holds some
+        them to the final norm's output. A pipeline stage (parallel/pipeline_parallel.py) holds some
         blocks and sets the parts it lacks to None: it maps what the stage before it sends to
         what the next one receives."""
         if self.pos_emb is not None:  # the first stage (the last one keeps tok_emb only as the head)

@@ -1,5 +1,5 @@
 """The step and the loop: precision, accumulation, the checks (failures/guards.py), evaluation and
-snapshots. parallel.py splits the model over the processes: the trainer sees a Parallel."""
+snapshots. parallel/ splits the model over the processes: the trainer sees a Parallel."""
 
 import math
 import time

@@ -280,14 +280,14 @@ def test_the_gradient_norm_of_step_1_is_the_plain_models_own(tmp_path, cache):
     train(tmp_path, cache, *args, "--metrics_path", "m.jsonl")
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     (logged,) = [r["grad_norm"] for r in records if "grad_norm" in r]
-    config, data, model_mod, parallel, train_state = map(
-        import_gpt_module, ("config", "data", "model", "parallel", "snapshots.train_state")
+    config, data, model_mod, apply, train_state = map(
+        import_gpt_module, ("config", "data", "model", "parallel.apply", "snapshots.train_state")
     )
     _, a = config.parse_args([str(arg) for arg in [*TINY, "--batch_size", 16, "--cache_dir", cache]])
     corpus = data.load_corpus(a.data, a.cache_dir, a.timeout, a.tokenizer, a.vocab_size)
     with torch.device("meta"):
         model = model_mod.GPT(train_state.model_config(a, corpus.vocab_size))
-    parallel.materialise(model, torch.device("cpu"), a.seed)
+    apply.materialise(model, torch.device("cpu"), a.seed)
     offsets = data.step_offsets(a.seed, 0, 16, len(corpus.train), a.block_size)
     model(*data.gather(corpus.train, offsets, a.block_size))[1].backward()
     norm = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm().item()

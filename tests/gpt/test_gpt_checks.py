@@ -86,14 +86,14 @@ def test_a_snapshot_path_that_cannot_be_written_is_found_before_any_work(tmp_pat
 
 
 def test_replicas_that_differ_are_named():
-    parallel = import_gpt_module("parallel")
-    hsdp = parallel.Layout(dp_replicate=2, dp_shard=2)  # ranks 0 and 2 hold one shard, 1 and 3 the other
+    mesh, replicas = import_gpt_module("parallel.mesh"), import_gpt_module("parallel.replicas")
+    hsdp = mesh.Layout(dp_replicate=2, dp_shard=2)  # ranks 0 and 2 hold one shard, 1 and 3 the other
     same = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "b"}]
-    assert parallel.replica_mismatches(hsdp, same) == (4, [])
+    assert replicas.replica_mismatches(hsdp, same) == (4, [])
     differ = [{"dp_shard": "a"}, {"dp_shard": "b"}, {"dp_shard": "a"}, {"dp_shard": "c"}]
-    assert parallel.replica_mismatches(hsdp, differ) == (4, ["dp_shard weights of ranks [1, 3]: ['b', 'c']"])
-    pp = parallel.Layout(pp=2)  # the tied embedding: the first stage's copy and the last's
-    assert parallel.replica_mismatches(pp, [{"": "x", "tied": "t"}, {"": "y", "tied": "u"}])[1] == [
+    assert replicas.replica_mismatches(hsdp, differ) == (4, ["dp_shard weights of ranks [1, 3]: ['b', 'c']"])
+    pp = mesh.Layout(pp=2)  # the tied embedding: the first stage's copy and the last's
+    assert replicas.replica_mismatches(pp, [{"": "x", "tied": "t"}, {"": "y", "tied": "u"}])[1] == [
         "tied weights of ranks [0, 1]: ['t', 'u']"
     ]
 
@@ -138,17 +138,17 @@ def test_divergence_stops_before_its_update_and_never_reaches_a_snapshot(tmp_pat
 
 
 def test_auto_dtype_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
-    parallel = import_gpt_module("parallel")
+    mesh = import_gpt_module("parallel.mesh")
     native = {"value": False}  # a GPU before compute capability 8.0: torch emulates bf16 there
     monkeypatch.setattr(
         torch.cuda,
         "is_bf16_supported",
         lambda including_emulation=True: including_emulation or native["value"],
     )
-    assert parallel.resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert mesh.resolve_dtype("auto", torch.device("cuda")) == torch.float16
     native["value"] = True
-    assert parallel.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert parallel.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert mesh.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert mesh.resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 def test_mfu_uses_each_gpus_own_peak(monkeypatch):

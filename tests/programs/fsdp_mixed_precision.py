@@ -1,4 +1,4 @@
-"""FSDP2's mixed precision as parallel.py sets it, on 2 gloo processes without the trainer: parameters
+"""FSDP2's mixed precision as data_parallel.py sets it, on 2 gloo processes without the trainer: parameters
 gathered in bf16 (or not), gradients reduced in float32, the shards kept in float32.
 
 Started by tests/gpt/test_gpt_sharding.py."""
@@ -6,11 +6,11 @@ Started by tests/gpt/test_gpt_sharding.py."""
 import os
 import sys
 
-import parallel
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from model import GPT, GPTConfig
+from parallel.data_parallel import apply_fsdp
 from torch.distributed.device_mesh import init_device_mesh
 
 
@@ -30,7 +30,7 @@ def probe(rank, port, bf16):
         return reduce_scatter(*args, **kwargs)
 
     dist.reduce_scatter_single = recording
-    parallel.apply_fsdp(model, mesh, torch.bfloat16 if bf16 else None)
+    apply_fsdp(model, mesh, torch.bfloat16 if bf16 else None)
     x = torch.randint(16, (2, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         model(x, x)[1].backward()

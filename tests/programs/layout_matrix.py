@@ -1,5 +1,5 @@
 """Every layout the GPT trainer's options accept on this many processes, in one torchrun launch: the space
-is read from the options themselves (parallel.Layout's dimensions, --pp_schedule's and --dtype's choices,
+is read from the options themselves (the mesh's Layout dimensions, --pp_schedule's and --dtype's choices,
 --parallel zero), so a dimension, a schedule or a type added there is in it. Each combination goes
 through train.py's own parse_args: refused (one line, said as argparse says it) or trained for a few steps
 by a Trainer into its own snapshot folder, which the test compares with one process's.
@@ -26,7 +26,8 @@ import parallel
 import torch
 import torch.distributed as dist
 from failures import preempt
-from parallel import local
+from parallel.dtensors import local
+from parallel.mesh import Layout
 from processes import all_ranks, setup_processes
 from trainer import Trainer
 
@@ -34,9 +35,9 @@ from trainer import Trainer
 def degrees(world, most):
     """Every assignment of degrees (each at most `most`) to the mesh's dimensions whose product is world."""
     sizes = [d for d in range(1, world + 1) if world % d == 0 and d <= most]
-    for shape in itertools.product(sizes, repeat=len(parallel.Layout.NAMES)):
+    for shape in itertools.product(sizes, repeat=len(Layout.NAMES)):
         if math.prod(shape) == world:
-            yield dict(zip(parallel.Layout.NAMES, shape, strict=True))
+            yield dict(zip(Layout.NAMES, shape, strict=True))
 
 
 def choices(option):

@@ -13,17 +13,19 @@ import parallel
 import torch
 import torch.distributed as dist
 from model import GPT, GPTConfig
+from parallel import apply
+from parallel.mesh import Layout
 
 kind = sys.argv[1]
 dist.init_process_group("gloo")
 if kind == "pp":  # one block per stage, 4 micro-batches
-    layout = parallel.Layout(pp=2, dp_shard=2)
+    layout = Layout(pp=2, dp_shard=2)
     cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
 elif kind == "fsdp":  # two blocks, one micro-batch
-    layout = parallel.Layout(dp_shard=4)
+    layout = Layout(dp_shard=4)
     cfg = GPTConfig(vocab_size=8, block_size=16, n_layer=2, n_head=2, n_embd=16)
 else:  # FSDP over tp's shards: a matrix split twice along its rows (_StridedShard)
-    layout = parallel.Layout(dp_shard=2, tp=2)
+    layout = Layout(dp_shard=2, tp=2)
     cfg = GPTConfig(vocab_size=10, block_size=16, n_layer=2, n_head=2, n_embd=18)
 args = SimpleNamespace(
     seed=0, compile=False, comm_hook=None, ac="none", ac_every=2, pp_schedule="1f1b", pp_microbatches=4
@@ -39,7 +41,7 @@ def spy(*args, **kwargs):  # how many whole values are still alive when the next
     return value
 
 
-parallel.initial_value = spy
+apply.initial_value = spy
 with torch.device("meta"):
     model = GPT(cfg)
 run = parallel.parallelize(model, layout, args, torch.device("cpu"))

@@ -5,10 +5,10 @@ Started by tests/gpt/test_gpt_model_parallel.py."""
 
 import os
 
-import parallel
 import torch
 import torch.distributed as dist
 from model import GPT, GPTConfig
+from parallel.tensor_parallel import apply_tp
 from torch.distributed.device_mesh import init_device_mesh
 
 dist.init_process_group("gloo")
@@ -18,7 +18,7 @@ model.init_weights(seed=0)
 with torch.no_grad():
     model.pos_emb.weight.zero_()  # every position alike: attention is uniform and its values are equal
 model.dropout.p = 0.0  # (the embeddings' dropout would make positions differ)
-parallel.apply_tp(model, mesh)
+apply_tp(model, mesh)
 seen = []  # the attention output of this rank's heads, before the projection
 local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
 model.blocks["0"].attn.proj.register_forward_pre_hook(lambda m, args: seen.append(local(args[0]).detach()))

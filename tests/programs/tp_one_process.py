@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 from failures import guards
 from model import GPT, GPTConfig, optimizer_groups
+from parallel.apply import materialise
+from parallel.dtensors import local
+from parallel.tensor_parallel import apply_tp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -22,8 +25,8 @@ dist.init_process_group(backend)
 mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("tp",))
 with torch.device("meta"):
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64))
-parallel.apply_tp(model, mesh)
-parallel.materialise(model, device, seed=0)
+apply_tp(model, mesh)
+materialise(model, device, seed=0)
 optimizer = parallel.make_optimizer(optimizer_groups(model, 0.1), SimpleNamespace(zero=False), mesh, device)
 batch = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0)).to(device)
 losses = []
@@ -34,7 +37,7 @@ for _ in range(8):
         _, loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
     norm = parallel.clip_grad_norm_(SimpleNamespace(module=model), 1.0)
-    verdict = guards.verdict(parallel.local(loss.detach()), norm, False)
+    verdict = guards.verdict(local(loss.detach()), norm, False)
     optimizer.found_inf = guards.skip(verdict)
     with implicit_replication():
         optimizer.step()

@@ -11,7 +11,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from parallel import local, whole
+from parallel.dtensors import local, whole
 
 
 class Diverged(Exception):
