@@ -1,6 +1,7 @@
 """Peak memory of the GPT's loss (the head and the cross-entropy, forward and backward) on the CPU: the whole
 logits at once, as model.py computed it before (cross_entropy), against chunks of positions
-(chunked_cross_entropy), in float32 and under bf16 autocast.
+(chunked_cross_entropy), in float32, under bf16 autocast, and with the head's weight in bf16 as FSDP2
+gathers it under --dtype bf16 (bf16-weight).
 
     python benchmarks/loss_memory.py        # GPT-2's vocabulary (50257, padded 50304), 8 x 1024 tokens
     python benchmarks/loss_memory.py --vocab 4000 --tokens 4096 --width 16 --chunk 256   # seconds
@@ -9,9 +10,12 @@ logits at once, as model.py computed it before (cross_entropy), against chunks o
 Each run (a way and a dtype) is a fresh process: it makes the final norm's output (tokens x width), the head's
 weight and frozen padding bias and the targets, runs the loss once on 64 positions (kernels loaded), then
 once on all of them; its peak is the rise of its peak RSS (ru_maxrss) over that second run, gradients of x
-and of the weight included. Prints one table, with the float32 logits' size beside it for reading. The
-logits' size does not depend on the width, the time does: a CPU without AVX-512 multiplies bf16 matrices
-about 100 times slower than float32 ones (GPT-2's width, 768: hours a bf16 run).
+and of the weight included, and what it keeps is the rise of its RSS from before that run's forward to
+its end, before backward: what the loss holds while the rest of the model runs its backward (or, in a
+pipeline, while other micro-batches run their forward). Prints one table, with the float32 logits' size
+beside it for reading. The logits' size does not depend on the width, the time does: a CPU without
+AVX-512 multiplies bf16 matrices about 100 times slower than float32 ones (GPT-2's width, 768: hours a
+bf16 run).
 """
 
 import argparse
@@ -37,6 +41,11 @@ def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def loss_of(way, x, weight, bias, targets, chunk):
     if way == "whole":
         return cross_entropy(F.linear(x, weight, bias), targets)
@@ -49,17 +58,20 @@ def measure(way, dtype, args):
     torch.manual_seed(0)
     # made in place: no temporary raises the peak before the measured run
     x = torch.randn(args.tokens, args.width).requires_grad_()
-    weight = torch.empty(cfg.padded_vocab, args.width).normal_(0.0, 0.02).requires_grad_()
+    weight = torch.empty(cfg.padded_vocab, args.width).normal_(0.0, 0.02)
+    weight = weight.to(torch.bfloat16 if dtype == "bf16-weight" else torch.float32).requires_grad_()
     bias = padding_bias((cfg.padded_vocab,), cfg)
     targets = torch.randint(args.vocab, (args.tokens,))
     results = []
     for n in (64, args.tokens):  # the first: kernels and threads started outside the measured run
         x.grad = weight.grad = None
-        before, start = peak_mib(), time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        before, start, held = peak_mib(), time.perf_counter(), rss_mib()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "fp32"):
             loss = loss_of(way, x[:n], weight, bias, targets[:n], args.chunk)
+        kept = rss_mib() - held
         loss.backward()
-        results.append({"peak_mib": peak_mib() - before, "seconds": time.perf_counter() - start})
+        seconds = time.perf_counter() - start
+        results.append({"peak_mib": peak_mib() - before, "kept_mib": kept, "seconds": seconds})
     return {**results[-1], "loss": loss.item()}
 
 
@@ -71,13 +83,13 @@ def markdown(rows, args, cfg):
         f"({args.tokens} tokens, width {args.width}, vocabulary {args.vocab} padded to {cfg.padded_vocab}; "
         f"the float32 logits: {logits_mib:,.0f} MiB)",
         "",
-        f"| dtype | whole logits: peak (MiB) | chunks of {args.chunk}: peak (MiB) | seconds, whole / chunks "
-        "| loss, whole / chunks |",
+        f"| dtype | whole logits: peak, kept (MiB) | chunks of {args.chunk}: peak, kept (MiB) "
+        "| seconds, whole / chunks | loss, whole / chunks |",
         "|---|---:|---:|---:|---:|",
     ]
     for dtype, row in rows.items():
         whole, chunks = row["whole"], row["chunks"]
-        peaks = f"{whole['peak_mib']:,.0f} | {chunks['peak_mib']:,.0f}"
+        peaks = " | ".join(f"{r['peak_mib']:,.0f}, {r['kept_mib']:,.0f}" for r in (whole, chunks))
         seconds = f"{whole['seconds']:.1f} / {chunks['seconds']:.1f}"
         lines.append(f"| {dtype} | {peaks} | {seconds} | {whole['loss']:.5f} / {chunks['loss']:.5f} |")
     return "\n".join(lines) + "\n"
@@ -89,7 +101,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=8 * 1024, help="positions: batch x length (8192)")
     p.add_argument("--width", type=int, default=768, help="n_embd (768, GPT-2 small's)")
     p.add_argument("--chunk", type=int, default=1024, help="positions per chunk (1024, the GPT's loss_chunk)")
-    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"], help="both")
+    dtypes = ["fp32", "bf16", "bf16-weight"]
+    p.add_argument("--dtypes", nargs="+", choices=dtypes, default=dtypes, help="all three")
     p.add_argument("--one", nargs=2, metavar=("WAY", "DTYPE"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args(argv)
     if args.one:

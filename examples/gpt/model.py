@@ -353,6 +353,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_weight += grad.T @ xs
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
+        # kept for backward in the inputs' types: FSDP's gathered bf16 head gets a bf16 gradient,
+        # and no float32 copy of the whole head outlives the forward
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         ctx.save_for_backward(grad_x, grad_weight, grad_bias)
         return total / count
 

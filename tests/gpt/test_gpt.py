@@ -210,7 +210,10 @@ def test_the_chunked_loss_trains_a_bias_and_skips_grads_in_no_grad():
 
     model.chunked_cross_entropy against F.cross_entropy(F.linear(...)) with a bias that trains (a model
     of your own may have one): the same loss and gradients of x, weight and bias; under no_grad (evaluation)
-    the same loss. Mutation: the bias's gradient not added up: x.grad is right, bias.grad is 0, this fails."""
+    the same loss. With the weight and bias in bf16 (as FSDP2 gathers them under --dtype bf16), what it
+    keeps for backward is in their type: no float32 copy of the head outlives the forward
+    (benchmarks/loss_memory.py measures the memory). Mutations: the bias's gradient not added up: x.grad is
+    right, bias.grad is 0, this fails; the gradients kept in float32 -> fails."""
     model_mod = import_gpt_module("model")
     gen = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(shape, generator=gen) for shape in [(2, 9, 8), (20, 8), (20,)])
@@ -228,6 +231,18 @@ def test_the_chunked_loss_trains_a_bias_and_skips_grads_in_no_grad():
         assert (whole - chunks).abs().max().item() < 1e-6
     with torch.no_grad():
         assert (model_mod.chunked_cross_entropy(x, weight, bias, targets, 4) - results[0][0]).abs() < 1e-6
+    kept = []
+    leaves = [x.requires_grad_(), weight.bfloat16().requires_grad_(), bias.bfloat16().requires_grad_()]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model_mod.chunked_cross_entropy(*leaves, targets, 4).backward()
+    assert [(t.dtype, t.shape) for t in kept][1:] == [
+        (torch.bfloat16, weight.shape),
+        (torch.bfloat16, bias.shape),
+    ]
+    assert (
+        leaves[1].grad.dtype == torch.bfloat16 and (leaves[1].grad.float() - results[0][2]).abs().max() < 0.05
+    )
 
 
 # ---- DDP, accumulation, metrics -----------------------------------------------------------------------
