@@ -153,10 +153,14 @@ class Config:
     dtype: str = option(
         "autocast type; auto: bf16 on GPUs that have it, else fp16 with a gradient scaler; fp32 on CPU",
         "auto",
-        ok=lambda c: c.dtype != "fp16" or torch.cuda.is_available(),
-        no="--dtype fp16 needs a GPU (its gradient scaler is for CUDA)",
         choices=["auto", "fp32", "bf16", "fp16"],
         group="speed and memory",
+    )
+    loss_scale: float = option(
+        "fp16: the loss scale to start from; halved at each overflow, doubled after 2000 clean steps "
+        "(%(default)s, GradScaler's)",
+        2.0**16,
+        positive,
     )
     attention: str = option(
         "attention kernel; auto: torch's choice, order and switches (%(default)s)",

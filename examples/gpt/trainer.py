@@ -54,7 +54,7 @@ class Trainer:
         self.raw = self.parallel.module  # this process's part of the GPT
         groups = optimizer_groups(self.raw, args.weight_decay)
         self.optimizer = parallel.make_optimizer(groups, layout, self.parallel.mesh, device)
-        self.scaler = guards.LossScaler(enabled=self.dtype == torch.float16, device=device)
+        self.scaler = guards.LossScaler(self.dtype == torch.float16, args.loss_scale, device=device)
         self.step = 0
         self.checks = guards.Checks(args.skip_nonfinite, self.scaler.enabled, self.log)
         # dropout: a stream per share of the batch; the processes of one share (tp, pp) draw alike

@@ -241,9 +241,11 @@ def per_rank(folder):
 
 
 def test_fp16_overflow_on_one_process_skips_the_step_everywhere(tmp_path, cache):
-    """fp16 overflow on one process skips the step and halves the scale on every process."""
+    """fp16 overflow on one process skips the step and halves the scale on every process (fp16 autocast
+    on the CPU, as on a GPU, from --loss_scale 1024). Mutation: the scaler's update left out -> fails."""
     wrapper = PROGRAMS / "one_sided_inf_gradient.py"
     args = ["--parallel", "ddp", "--batch_size", 8, "--max_steps", 7, "--log_every", 1, "--sample_chars", 0]
+    args += ["--dtype", "fp16", "--loss_scale", 1024]
     proc = train(tmp_path, cache, *args, nproc=2, script=wrapper, env={"FP16": "1"}, check=False)
     steps = per_rank(tmp_path)
     # step 3 skipped, the scale halved; 3 clean steps later (4, 5, 6) it doubles back

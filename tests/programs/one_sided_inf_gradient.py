@@ -1,6 +1,6 @@
 """train.py under DDP, with an infinity in one gradient of rank 1 alone after step 3's all-reduce (its own
-overflow): the loss stays finite, only rank 1's gradient norm is not. FP16=1: fp16's loss scaler is on
-(on a CPU too), from a scale of 1024, doubling after 3 clean steps. Each process writes, after every
+overflow): the loss stays finite, only rank 1's gradient norm is not. FP16=1 (with --dtype fp16): the
+loss scale doubles after 3 clean steps. Each process writes, after every
 update, the step, the scale and whether its weights moved, into steps{rank}.txt.
 
 Started by tests/gpt/test_gpt_model_parallel.py."""
@@ -18,8 +18,8 @@ from parallel.dtensors import local
 if os.environ.get("FP16") == "1":
 
     class Scaler(guards.LossScaler):
-        def __init__(self, enabled, **kwargs):
-            super().__init__(True, scale=1024.0, interval=3)
+        def __init__(self, enabled, scale, **kwargs):
+            super().__init__(enabled, scale, interval=3, **kwargs)
 
     guards.LossScaler = Scaler
 clip, calls = parallel.clip_grad_norm_, []
