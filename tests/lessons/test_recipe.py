@@ -52,8 +52,11 @@ STOPPED_RE = re.compile(
 def launch(folder, nproc, *args, env=None, torchrun=False):
     """recipe.py's output on nproc processes forked from one that imported torch (FORKRUN: one import of
     torch, not nproc + 1), or under torchrun where its part is tested (atexit handlers run there)."""
-    cmd = example_cmd("recipe", *args, nproc=nproc) if torchrun else [*FORKRUN, f"--nproc-per-node={nproc}"]
-    cmd += [] if torchrun else [RECIPE, *args]
+    cmd = (
+        example_cmd("recipe", *args, nproc=nproc)
+        if torchrun
+        else [*FORKRUN, f"--nproc-per-node={nproc}", RECIPE, *args]
+    )
     return run(cmd, timeout=300, cwd=folder, env={**ONE_THREAD, **(env or {})}).stdout
 
 
