@@ -1,13 +1,16 @@
 """The GPT trainer's whole layout space: every combination its options accept (each mesh dimension's
-degree, --pp_schedule, --parallel zero, --dtype; bf16 and fp16 pairwise with the rest) on 4 processes
+degree, --pp_schedule, --parallel zero, --dtype; bf16 and fp16, --ac's modes and --grad_accum 1 and 2
+pairwise with the rest: every pair of values in a run, not their product) on 4 processes
 (degrees up to 4: the 1-D and 2-D forms) and on 8 (degrees up to 2: the 3-D forms) trains and ends where
 one process ends, or is refused before step 1 in one line. The space is read from the options by
 tests/programs/layout_matrix.py, which trains each combination in one launch per world size (the two on
 both workers, one process's run shared by them): about 6 minutes of 2 cores, the suite's costliest file,
 since the space is the subject; bf16 and fp16 need their 20 steps (see BF16_SHARE). fp16 runs as on a
 GPU: CPU autocast and the trainer's loss scale (failures/guards.LossScaler), refused only with a
-pipeline, which has no scaler."""
+pipeline, which has no scaler. Not here: --compile (tests/gpt/test_gpt_compile.py: its compile time per
+layout would be the matrix's), dropout (each process draws its own masks: no run equals one process's)."""
 
+import itertools
 import json
 import re
 
@@ -24,6 +27,11 @@ ARGS += ["--sample_chars", 0, "--grad_clip", 0, "--lr", 3e-3, "--warmup_steps", 
 # overflow at step 3 and skip it, one process does not. From 1024 no layout overflows, so all compare.
 ARGS += ["--loss_scale", 1024]
 COMBO_RE = re.compile(r"^COMBO (\S+) (trained|refused) (.*)$", re.M)
+# a combination's name: its shape, schedule and zero, then the values that join pairwise
+NAME_RE = re.compile(
+    r"^(?P<shape>[^-]+)(-gpipe|-1f1b)?(-zero)?-(?P<dtype>\w+)-ac_(?P<ac>\w+)-accum(?P<accum>\d)$"
+)
+PAIRWISE = ["shape", "dtype", "ac", "accum"]
 VAL_RE = re.compile(r"\| val loss ([0-9.]+) \|")
 REPLICAS_RE = re.compile(r"torch\.float32 \| (replicas identical: \d+ copies|no weights are replicated) ")
 # bf16: a layout rounds in other places than one process does (FSDP's bf16 copies of the norms and the
@@ -61,23 +69,28 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
     """Over a minute: every combination of its world size, 4 or 8 processes on 2 cores (2.5 min each in a
     whole run); bf16 needs its 20 steps."""
     combos = matrix(tmp_path, cache, world, most)
-    dtypes = {name.rsplit("-", 1)[1] for name in combos}
+    runs = {name: NAME_RE.match(name).groupdict() for name in combos}
+    dtypes = {run["dtype"] for run in runs.values()}
     assert dtypes == {"fp32", "bf16", "fp16"}, dtypes  # auto is fp32 on a CPU
     trained = [name for name, (verdict, _) in combos.items() if verdict == "trained"]
     print(f"{len(combos)} combinations on {world} processes, {len(trained)} trained")
+    refs = {runs_of_one["dtype"]: name for name, runs_of_one in one_runs(one).items()}
     for name, (verdict, rest) in combos.items():
-        if verdict == "refused":  # argparse's one line; zero's and a pipeline's fp16, nothing else
+        dtype, pipeline = runs[name]["dtype"], "pp" in name
+        if verdict == "refused":  # argparse's one line; zero's and a pipeline's fp16 and accumulation
             assert rest.startswith("layout_matrix.py: error: --"), (name, rest)
-            assert "zero" in name or (name.endswith("fp16") and "pp" in name), (name, rest)
+            assert "zero" in name or (pipeline and (dtype == "fp16" or runs[name]["accum"] != "1")), (
+                name,
+                rest,
+            )
             continue
-        dtype = name.rsplit("-", 1)[1]
         # float32 between the blocks in every process; copies of a part equal (fsdp alone holds none)
         assert REPLICAS_RE.match(rest), (name, rest)
         assert rest.endswith(" | hooks once a micro-batch: True"), (
             name,
             rest,
         )  # a pipeline's wraps a private method
-        ref = saved(one[0] / "w1", f"one-{dtype}")
+        ref = saved(one[0] / "w1", refs[dtype])
         mine = saved(tmp_path / f"w{world}", name)
         assert mine["step"] == STEPS[dtype] == ref["step"], name
         if dtype == "fp32":
@@ -85,10 +98,10 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
             print(f"{name}: {max_diff(mine['model'], ref['model']):.2g} from one process after 3 steps")
             # the validation loss too: every process evaluates its share of the same samples
             val = float(VAL_RE.search(rest).group(1))
-            ref_val = float(VAL_RE.search(one[1]["one-fp32"][1]).group(1))
+            ref_val = float(VAL_RE.search(one[1][refs["fp32"]][1]).group(1))
             assert abs(val - ref_val) < 1e-3, (name, val, ref_val)  # printed to 4 decimals
         else:
-            scale = gap(ref["model"], saved(one[0] / "w1", "one-fp32")["model"])
+            scale = gap(ref["model"], saved(one[0] / "w1", refs["fp32"])["model"])
             apart = gap(mine["model"], ref["model"])
             print(f"{name}: {apart:.2g} from one process's {dtype} run, which is {scale:.2g} from fp32's")
             assert apart < BF16_SHARE * scale, (name, apart, scale)
@@ -106,3 +119,26 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
         shape for shape in schedules if "tp" in shape and len(shape.split("x")) == {4: 2, 8: 3}[world]
     }
     assert composed, sorted(shapes)
+    # pairwise: every pair of values of shape, type, --ac and --grad_accum met in a run that trained, or
+    # refused in one line for that pair (not for zero); the pairs without a shape on 4 processes (on 8 one
+    # shape has no pipeline: 3 runs train fp16 or accumulate)
+    for a, b in itertools.combinations(PAIRWISE, 2):
+        if world == 8 and "shape" not in (a, b):
+            continue
+        every = set(itertools.product(*({run[f] for run in runs.values()} for f in (a, b))))
+        met = {
+            (runs[n][a], runs[n][b])
+            for n, (verdict, _) in combos.items()
+            if verdict == "trained" or "zero" not in n
+        }
+        assert every <= met, (a, b, sorted(every - met))
+
+
+def one_runs(one):
+    """{name: its values} of one process's trained runs but zero's, one per type: the references."""
+    runs = {
+        name: NAME_RE.match(name).groupdict() for name, (verdict, _) in one[1].items() if verdict == "trained"
+    }
+    runs = {name: run for name, run in runs.items() if "zero" not in name}
+    assert sorted(run["dtype"] for run in runs.values()) == ["bf16", "fp16", "fp32"], sorted(runs)
+    return runs

@@ -48,27 +48,37 @@ def choices(option):
 def combinations(world, most, batch, steps):
     """(name, argv) of each combination; the global batch is the same in all. float32: every shape with
     every schedule and both --parallel choices; the 16-bit types pairwise: every shape, and each pipeline
-    shape with one schedule in turn, so that each schedule meets each type (their 20 steps are the cost)."""
+    shape with one schedule in turn, so that each schedule meets each type (their 20 steps are the cost).
+    --ac and --grad_accum join pairwise, not as a product: the j-th run of the k-th shape takes mode
+    j + k and accumulation j + k in turn, so that every shape meets every value and every value every
+    type; a pipeline accumulates with its micro-batches (one run says so: refused)."""
     dtypes = {}  # one name per type the choices resolve to here (auto: fp32 on a CPU)
     for name in sorted(choices("--dtype"), key=lambda n: n == "auto"):
         dtypes.setdefault(parallel.resolve_dtype(name, torch.device("cpu")), name)
-    pipelines = 0
-    for shape in degrees(world, most):
+    modes, pipelines = choices("--ac"), 0
+    for k, shape in enumerate(degrees(world, most)):
         schedules = choices("--pp_schedule") if shape["pp"] > 1 else [None]
         turn = schedules[pipelines % len(schedules)]
         pipelines += shape["pp"] > 1
-        dp = shape["dp_replicate"] * shape["dp_shard"]
-        for schedule, zero, dtype in itertools.product(schedules, (False, True), dtypes.values()):
-            if dtype != dtypes[torch.float32] and schedule != turn:
-                continue
+        runs = itertools.product(dtypes.values(), schedules, (False, True))  # float32's first
+        runs = [(s, zero, dtype) for dtype, s, zero in runs if dtype == dtypes[torch.float32] or s == turn]
+        if shape["pp"] > 1:
+            runs.append((turn, False, dtypes[torch.float32], "accum"))
+        j = 0
+        for schedule, zero, dtype, *accumulate in runs:
+            ac = modes[(j + k) % len(modes)]
+            accum = 2 if accumulate or (shape["pp"] == 1 and (j + k) % 2) else 1
+            j += not zero  # a zero run takes the next one's: zero stands beside replicas alone
+            dp = shape["dp_replicate"] * shape["dp_shard"]
             argv = [f"--{name}={size}" for name, size in shape.items()]
-            argv += [f"--batch_size={batch // dp}", f"--pp_microbatches={shape['pp']}"]
+            argv += [f"--batch_size={batch // dp // accum}", f"--grad_accum={accum}"]
+            argv += [f"--pp_microbatches={shape['pp']}", f"--ac={ac}"]
             argv += [] if schedule is None else [f"--pp_schedule={schedule}"]
             argv += ["--parallel=zero"] if zero else []
             argv += [f"--dtype={dtype}", f"--max_steps={steps[dtype]}", f"--eval_every={steps[dtype]}"]
             name = "x".join(f"{n}{s}" for n, s in shape.items() if s > 1) or "one"
             name += "".join(f"-{part}" for part in (schedule, zero and "zero", dtype) if part)
-            yield name, argv
+            yield f"{name}-ac_{ac}-accum{accum}", argv
 
 
 def parse(argv):
