@@ -16,7 +16,7 @@ import re
 
 import pytest
 from gpt_helpers import assert_close, max_diff, run, saved
-from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, once_per_session
+from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module, once_per_session
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
 # 4 layers and 4 heads: 4 pipeline stages, 4 tensor-parallel shares; global batch 8 in every layout
@@ -122,10 +122,12 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
     # pairwise: every pair of values of shape, type, --ac and --grad_accum met in a run that trained, or
     # refused in one line for that pair (not for zero); the pairs without a shape on 4 processes (on 8 one
     # shape has no pipeline: 3 runs train fp16 or accumulate)
+    values = {f: {run[f] for run in runs.values()} for f in PAIRWISE}
+    assert values["ac"] == set(import_gpt_module("ac").MODES) and values["accum"] == {"1", "2"}, values
     for a, b in itertools.combinations(PAIRWISE, 2):
         if world == 8 and "shape" not in (a, b):
             continue
-        every = set(itertools.product(*({run[f] for run in runs.values()} for f in (a, b))))
+        every = set(itertools.product(values[a], values[b]))
         met = {
             (runs[n][a], runs[n][b])
             for n, (verdict, _) in combos.items()
