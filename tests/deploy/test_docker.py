@@ -623,7 +623,11 @@ def test_make_two_node_failover_shows_node1_lost_and_the_job_recovering(project,
     assert not left.stdout.strip(), left.stdout
 
 
-TORCHFT_EPOCHS = 24  # of the demo's 40 by default: node1 is killed after epoch 5 and back within 10
+# of the demo's 40 by default. node1 is killed after epoch 5 and started after 7; node0 alone runs an epoch
+# in 0.5 s idle, 0.7 s beside the layout matrix, and node1 healed 3.4 s after its start idle (epoch 15),
+# 10.2 s under load (epoch 24 of 24: node0 ended as it healed, node1 finished alone, the weights parted).
+# 32 leaves node1 about 17 s under load.
+TORCHFT_EPOCHS = 32
 TORCHFT_ACCOUNT_RE = [  # the account `make two-node-torchft` ends with, line by line
     r"the lighthouse's status page, http://localhost:(\d+)/status, showed node0 and node1 in quorum \d+",
     r"node0's world size by epoch: (?:.*, )?2 \((?:epochs )?(?:\d+-)?(\d+)\), "  # up to node1's kill
@@ -650,7 +654,7 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
     the last epoch with identical weights, every container exits 0 (the lighthouse stops by itself), and the
     lighthouse's status page answers on the port published on the host while the groups train.
 
-    Over a minute: a quorum every step, node1 killed and started again, 24 epochs (90 s in a whole run)."""
+    Over a minute: a quorum every step, node1 killed and started again, 32 epochs (61 s idle)."""
     job, port = project(("compose/torchft.yaml",)), free_port()  # a name of this run, removed after
     make = ["make", "--no-print-directory", "-C", REPO, "two-node-torchft", f"IMAGE={image}"]
     options = f"--project {job.name} --port {port} --epochs {TORCHFT_EPOCHS}"
@@ -674,6 +678,7 @@ def test_make_two_node_torchft_heals_node1_from_node0_live(project, image):
         done.set()
         watcher.join(timeout=10)
     print(f"make two-node-torchft: {time.monotonic() - start:.0f} s")
+    print(proc.stdout.split("in short:\n")[-1])  # the account: the epochs and seconds node1 took to heal
     out = proc.stdout
     assert proc.returncode == 0, out[-5000:]
     assert any("Manager: http://node0:" in page and "Manager: http://node1:" in page for page in pages), pages
