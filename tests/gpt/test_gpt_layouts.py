@@ -74,7 +74,7 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
     assert dtypes == {"fp32", "bf16", "fp16"}, dtypes  # auto is fp32 on a CPU
     trained = [name for name, (verdict, _) in combos.items() if verdict == "trained"]
     print(f"{len(combos)} combinations on {world} processes, {len(trained)} trained")
-    refs = {runs_of_one["dtype"]: name for name, runs_of_one in one_runs(one).items()}
+    refs = references(one)
     for name, (verdict, rest) in combos.items():
         dtype, pipeline = runs[name]["dtype"], "pp" in name
         if verdict == "refused":  # argparse's one line; zero's and a pipeline's fp16 and accumulation
@@ -136,11 +136,9 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
         assert every <= met, (a, b, sorted(every - met))
 
 
-def one_runs(one):
-    """{name: its values} of one process's trained runs but zero's, one per type: the references."""
-    runs = {
-        name: NAME_RE.match(name).groupdict() for name, (verdict, _) in one[1].items() if verdict == "trained"
-    }
-    runs = {name: run for name, run in runs.items() if "zero" not in name}
-    assert sorted(run["dtype"] for run in runs.values()) == ["bf16", "fp16", "fp32"], sorted(runs)
-    return runs
+def references(one):
+    """{type: the name of one process's run in it}, zero's left out: what each layout's run is compared to."""
+    trained = [name for name, (verdict, _) in one[1].items() if verdict == "trained" and "zero" not in name]
+    refs = {NAME_RE.match(name)["dtype"]: name for name in trained}
+    assert len(refs) == len(trained) and set(refs) == {"bf16", "fp16", "fp32"}, trained
+    return refs

@@ -60,6 +60,7 @@ def combinations(world, most, batch, steps):
         schedules = choices("--pp_schedule") if shape["pp"] > 1 else [None]
         turn = schedules[pipelines % len(schedules)]
         pipelines += shape["pp"] > 1
+        dp = shape["dp_replicate"] * shape["dp_shard"]
         runs = itertools.product(dtypes.values(), schedules, (False, True))  # float32's first
         runs = [(s, zero, dtype) for dtype, s, zero in runs if dtype == dtypes[torch.float32] or s == turn]
         if shape["pp"] > 1:
@@ -69,7 +70,6 @@ def combinations(world, most, batch, steps):
             ac = modes[(j + k) % len(modes)]
             accum = 2 if accumulate or (shape["pp"] == 1 and (j + k) % 2) else 1
             j += not zero  # a zero run takes the next one's: zero stands beside replicas alone
-            dp = shape["dp_replicate"] * shape["dp_shard"]
             argv = [f"--{name}={size}" for name, size in shape.items()]
             argv += [f"--batch_size={batch // dp // accum}", f"--grad_accum={accum}"]
             argv += [f"--pp_microbatches={shape['pp']}", f"--ac={ac}"]
