@@ -6,6 +6,7 @@ PyTorch recommends DDP (multigpu.py) instead, even on one machine: it runs on th
 """
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -79,7 +80,12 @@ def get_args(parser):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshot_path", default=parser.prog.split(".")[0] + "_snapshot.pt")
     parser.add_argument("--dataset_size", type=int, default=2048)
-    args = parser.parse_args()
+    args, unknown = parser.parse_known_args()
+    if unknown:  # a typo? the nearest name (argparse does so itself from Python 3.14)
+        names = parser.format_usage().replace("[", " ").split()
+        near = difflib.get_close_matches(unknown[0].split("=")[0], names, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     for key in ["total_epochs", "save_every", "batch_size", "lr", "dataset_size"]:
         if not 0 < getattr(args, key) < float("inf"):  # nan fails this too
             parser.error(f"{key} must be positive and finite, got {getattr(args, key)}")

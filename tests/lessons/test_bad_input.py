@@ -27,6 +27,7 @@ CASES = [
     (["1", "1", "--momentum", "nan"], "momentum must be 0 or more and finite, got nan"),
     (["1", "1", "--momentum", "-1"], "momentum must be 0 or more and finite, got -1"),
     (["1", "1", "--nproc", "2"], "unrecognized arguments: --nproc"),  # mp.spawn's option: multigpu.py only
+    (["1", "1", "--batchsize", "8"], "unrecognized arguments: --batchsize 8 (did you mean --batch_size?)"),
     # before any epoch, not at the first save (every lesson's get_args: test_structure keeps them one)
     (["1", "1", "--snapshot_path", "missing/s.pt"], "snapshot_path: no folder missing to write in"),
 ]
