@@ -139,6 +139,8 @@ def test_tp_stopped_and_resumed_ends_bit_identical(tmp_path, cache):
         (2, ["--parallel", "tp", "--comm_hook", "bf16"], "--comm_hook is for DDP"),
         (2, ["--dp_shard", "2", "--comm_hook", "fp16"], "--comm_hook is for DDP"),
         (2, ["--parallel", "tp", "--compile", "--dropout", "0.1"], "--compile with --tp 2 and --dropout 0.1"),
+        (2, ["--parallel", "tp", "--compile", "--ac", "full"], "--compile with --tp 2 and --ac full"),
+        (2, ["--tp", "2", "--compile", "--ac", "selective"], "--compile with --tp 2 and --ac selective"),
         (4, ["--dp_shard", "2", "--tp", "3"], "= 6 processes, but WORLD_SIZE is 4"),
         (4, ["--tp", "4"], "--tp 4: --n_head 2 does not divide into 4 parts"),
         (4, ["--parallel", "zero", "--dp_shard", "2"], "--parallel zero splits AdamW's state over plain"),

@@ -156,6 +156,11 @@ def layout_checks(args, layout, cuda):
             "dropout masks from a random stream of its own, which torch.compile cannot trace: --dropout 0, "
             "or no --compile",
         ),
+        (
+            not args.compile or layout.tp == 1 or args.ac == "none",
+            f"--compile with --tp {layout.tp} and --ac {args.ac}: torch.compile cannot yet save a "
+            "tensor-parallel block for recomputation (torch 2.13 fails in backward): --ac none, or no --compile",
+        ),
     ]
     if layout.pp > 1:
         checks += [
