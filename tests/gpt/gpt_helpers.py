@@ -64,6 +64,12 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def gap(a, b):
+    """The relative L2 distance of two saved models' trained weights (not the head's frozen padding bias)."""
+    keys = [k for k in b if k != "head.bias"]
+    return (sum((a[k] - b[k]).square().sum() for k in keys) / sum(b[k].square().sum() for k in keys)).sqrt()
+
+
 def assert_close(mine, ref, tolerance=1e-4):
     """Two runs' saved states (saved()) equal within float summation order, amplified by AdamW: the weights
     and the optimizer state, whose moments see a gradient off by a constant factor that the weights do

@@ -1,21 +1,32 @@
 """--compile: each block's forward compiled (parallel.apply_compile) in one process and under ddp, fsdp, tp
-and pp. By torch's own logs no frame falls back to eager: no graph break, and dynamo compiles the blocks'
-forward and nothing else; the compiled run ends where the eager one ends, under the same names, and in
-one process an eager run resumes from its snapshot. In one process the compiled run recomputes its
-activations too (--ac full), against the eager run without them: activation checkpointing under compile
-breaks no graph and trains alike (7.5e-7 apart after 5 steps). About 3 minutes on 2 cores with
-inductor's cache warm (200 s measured), more when cold."""
+and pp, each with the layout matrix's other axes in turn (TURNS: bf16, fp16, --ac, --grad_accum; not
+dropout, whose masks inductor draws from its own generator, so that no compiled run with it equals its eager
+run; tp refuses --ac under compile). By torch's own logs no frame falls back to eager: no graph break, and
+dynamo compiles the blocks' forward and nothing else; the compiled run ends where the eager one ends, under
+the same names, and in one process an eager run resumes from its snapshot. In one process the compiled run
+recomputes its activations too (--ac full), against the eager run without them: activation checkpointing
+under compile breaks no graph and trains alike (7.5e-7 apart after 5 steps). About 3 minutes on 2 cores
+with inductor's cache warm (200 s measured), more when cold."""
 
 import re
 from pathlib import Path
 
 import pytest
-from gpt_helpers import max_diff, saved, train
+from gpt_helpers import gap, max_diff, saved, train
 from helpers import import_gpt_module
 
 SMALL = ["--n_layer", 2, "--n_embd", 32, "--n_head", 2, "--block_size", 16, "--batch_size", 4]
 SMALL += ["--max_steps", 5, "--eval_every", 5, "--sample_chars", 0]
 LAYOUTS = {"one process": None, "ddp": 2, "fsdp": 2, "tp": 2, "pp": 2}  # processes
+# The layout matrix's other axes in turn, eager and compiled alike, so that --compile meets each of their
+# values: every type, every --ac mode, accumulation (one process adds --ac full to its compiled run alone)
+TURNS = {
+    "one process": [],
+    "ddp": ["--dtype", "bf16", "--grad_accum", 2, "--ac", "selective"],
+    "fsdp": ["--dtype", "fp16", "--grad_accum", 2],
+    "tp": ["--dtype", "bf16", "--grad_accum", 2],  # --ac refused with tp under compile
+    "pp": ["--ac", "selective"],
+}
 # TORCH_LOGS=graph_breaks: a record per graph break, each opening "Graph break"; TORCH_LOGS=dynamo: a line per
 # frame dynamo compiles, "torchdynamo start tracing forward /path/model.py:98"
 GRAPH_BREAK_RE = re.compile(r"\[__graph_breaks\] Graph break")
@@ -28,7 +39,7 @@ def test_each_block_compiles_without_a_graph_break_and_trains_as_eager(tmp_path,
     (FSDP's hooks, which dynamo never traces, inside the loop over the blocks); under tp the first backward
     fails; in one process, ddp and pp dynamo compiles GPT's forward, not the blocks'. Each fails here."""
     nproc = LAYOUTS[layout]
-    args = [*SMALL] if nproc is None else [*SMALL, "--parallel", layout]
+    args = [*SMALL, *TURNS[layout]] if nproc is None else [*SMALL, *TURNS[layout], "--parallel", layout]
     (tmp_path / "eager").mkdir()
     train(tmp_path / "eager", cache, *args, nproc=nproc)
     ac = ["--ac", "full"] if nproc is None else []  # in one process, recomputed activations compile too
@@ -42,10 +53,16 @@ def test_each_block_compiles_without_a_graph_break_and_trains_as_eager(tmp_path,
     assert traced == {("forward", "model.py", block.co_firstlineno)}, traced
     compiled, eager = saved(tmp_path)["model"], saved(tmp_path / "eager")["model"]
     assert compiled.keys() == eager.keys()  # a snapshot loads across compiled and eager runs
-    # the compiled kernels add in another order: float rounding, 5e-7 to 1e-6 measured after 5 steps
-    diff = max_diff(compiled, eager)
-    print(f"{layout}: compiled and eager parameters {diff:.3g} apart after 5 steps")
-    assert diff < 1e-5
+    # the compiled kernels add in another order: float rounding, 5e-7 to 1e-6 measured after 5 steps; in
+    # 16 bits inductor rounds elsewhere too: relative distances 1e-4 (fsdp, fp16) to 3e-4 (ddp, bf16)
+    if "--dtype" in TURNS[layout]:
+        apart = gap(compiled, eager)
+        print(f"{layout}: compiled and eager parameters {apart:.3g} apart (relative) after 5 steps")
+        assert apart < 2e-3
+    else:
+        diff = max_diff(compiled, eager)
+        print(f"{layout}: compiled and eager parameters {diff:.3g} apart after 5 steps")
+        assert diff < 1e-5
     if nproc is None:  # the compiled run's snapshot resumes in an eager one
         resumed = train(tmp_path, cache, *args, "--max_steps", 6)  # the last value given counts
         assert "resuming from gpt_snapshot at step 5" in resumed.stdout, resumed.stdout[-2000:]

@@ -1,21 +1,23 @@
 """The GPT trainer's whole layout space: every combination its options accept (each mesh dimension's
-degree, --pp_schedule, --parallel zero, --dtype; bf16 and fp16, --ac's modes and --grad_accum 1 and 2
-pairwise with the rest: every pair of values in a run, not their product) on 4 processes
+degree, --pp_schedule, --parallel zero, --dtype; bf16 and fp16, --ac's modes, --grad_accum 1 and 2 and
+--dropout 0 and 0.1 pairwise with the rest: every pair of values in a run, not their product) on 4 processes
 (degrees up to 4: the 1-D and 2-D forms) and on 8 (degrees up to 2: the 3-D forms) trains and ends where
 one process ends, or is refused before step 1 in one line. The space is read from the options by
 tests/programs/layout_matrix.py, which trains each combination in one launch per world size (the two on
 both workers, one process's run shared by them): about 6 minutes of 2 cores, the suite's costliest file,
 since the space is the subject; bf16 and fp16 need their 20 steps (see BF16_SHARE). fp16 runs as on a
 GPU: CPU autocast and the trainer's loss scale (failures/guards.LossScaler), refused only with a
-pipeline, which has no scaler. Not here: --compile (tests/gpt/test_gpt_compile.py: its compile time per
-layout would be the matrix's), dropout (each process draws its own masks: no run equals one process's)."""
+pipeline, which has no scaler. A run with dropout cannot equal one process's (each share of the batch
+draws its own masks): it must keep its replicas identical and move as far as one process's (DROPOUT_RATIO).
+Not here: --compile (tests/gpt/test_gpt_compile.py, with the other axes in turn: its compile time per
+layout would be the matrix's)."""
 
 import itertools
 import json
 import re
 
 import pytest
-from gpt_helpers import assert_close, max_diff, run, saved
+from gpt_helpers import assert_close, gap, max_diff, run, saved
 from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module, once_per_session
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
@@ -29,9 +31,10 @@ ARGS += ["--loss_scale", 1024]
 COMBO_RE = re.compile(r"^COMBO (\S+) (trained|refused) (.*)$", re.M)
 # a combination's name: its shape, schedule and zero, then the values that join pairwise
 NAME_RE = re.compile(
-    r"^(?P<shape>[^-]+)(-gpipe|-1f1b)?(-zero)?-(?P<dtype>\w+)-ac_(?P<ac>\w+)-accum(?P<accum>\d)$"
+    r"^(?P<shape>[^-]+)(-gpipe|-1f1b)?(-zero)?-(?P<dtype>\w+)-ac_(?P<ac>\w+)-accum(?P<accum>\d)"
+    r"-dropout(?P<dropout>[0-9.]+)$"
 )
-PAIRWISE = ["shape", "dtype", "ac", "accum"]
+PAIRWISE = ["shape", "dtype", "ac", "accum", "dropout"]
 VAL_RE = re.compile(r"\| val loss ([0-9.]+) \|")
 REPLICAS_RE = re.compile(r"torch\.float32 \| (replicas identical: \d+ copies|no weights are replicated) ")
 # bf16: a layout rounds in other places than one process does (FSDP's bf16 copies of the norms and the
@@ -39,12 +42,11 @@ REPLICAS_RE = re.compile(r"torch\.float32 \| (replicas identical: \d+ copies|no 
 # run than that run is to one process's fp32 run: measured 2026-11-29, 0.004-0.008 against 0.13 (relative
 # L2 distances), so at most a tenth of it. docs/parallelism.md states this bound.
 BF16_SHARE = 0.1
-
-
-def gap(a, b):
-    """The relative L2 distance of two saved models' trained weights (not the head's frozen padding bias)."""
-    keys = [k for k in b if k != "head.bias"]
-    return (sum((a[k] - b[k]).square().sum() for k in keys) / sum(b[k].square().sum() for k in keys)).sqrt()
+# dropout: each share of the batch draws its own masks, so no layout's run equals one process's; the copies
+# of a part still agree (the replica check: tensor-parallel processes draw alike), and its weights move as
+# far from the run without dropout as one process's dropout run does: measured 2026-12-03, 0.95-1.03 times
+# (masks alone part two dropout runs by 1.15-1.25 times that distance). Dropout ignored moves them 0 times.
+DROPOUT_RATIO = (0.8, 1.25)
 
 
 def matrix(tmp_path, cache, world, most):
@@ -90,18 +92,23 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
             name,
             rest,
         )  # a pipeline's wraps a private method
-        ref = saved(one[0] / "w1", refs[dtype])
+        ref = saved(one[0] / "w1", refs[dtype, "0.0"])
         mine = saved(tmp_path / f"w{world}", name)
         assert mine["step"] == STEPS[dtype] == ref["step"], name
-        if dtype == "fp32":
+        if runs[name]["dropout"] != "0.0":  # its own masks: as far from no dropout as one process goes
+            dropped = saved(one[0] / "w1", refs[dtype, runs[name]["dropout"]])
+            ratio = gap(mine["model"], ref["model"]) / gap(dropped["model"], ref["model"])
+            print(f"{name}: moved {ratio:.3g} times as far from no dropout as one process's dropout run")
+            assert DROPOUT_RATIO[0] < ratio < DROPOUT_RATIO[1], (name, ratio)
+        elif dtype == "fp32":
             assert_close(mine, ref, tolerance=1e-5)
             print(f"{name}: {max_diff(mine['model'], ref['model']):.2g} from one process after 3 steps")
             # the validation loss too: every process evaluates its share of the same samples
             val = float(VAL_RE.search(rest).group(1))
-            ref_val = float(VAL_RE.search(one[1][refs["fp32"]][1]).group(1))
+            ref_val = float(VAL_RE.search(one[1][refs["fp32", "0.0"]][1]).group(1))
             assert abs(val - ref_val) < 1e-3, (name, val, ref_val)  # printed to 4 decimals
         else:
-            scale = gap(ref["model"], saved(one[0] / "w1", refs["fp32"])["model"])
+            scale = gap(ref["model"], saved(one[0] / "w1", refs["fp32", "0.0"])["model"])
             apart = gap(mine["model"], ref["model"])
             print(f"{name}: {apart:.2g} from one process's {dtype} run, which is {scale:.2g} from fp32's")
             assert apart < BF16_SHARE * scale, (name, apart, scale)
@@ -124,6 +131,7 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
     # shape has no pipeline: 3 runs train fp16 or accumulate)
     values = {f: {run[f] for run in runs.values()} for f in PAIRWISE}
     assert values["ac"] == set(import_gpt_module("ac").MODES) and values["accum"] == {"1", "2"}, values
+    assert values["dropout"] == {"0.0", "0.1"}, values
     for a, b in itertools.combinations(PAIRWISE, 2):
         if world == 8 and "shape" not in (a, b):
             continue
@@ -139,6 +147,6 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
 def references(one):
     """{type: the name of one process's run in it}, zero's left out: what each layout's run is compared to."""
     trained = [name for name, (verdict, _) in one[1].items() if verdict == "trained" and "zero" not in name]
-    refs = {NAME_RE.match(name)["dtype"]: name for name in trained}
-    assert len(refs) == len(trained) and set(refs) == {"bf16", "fp16", "fp32"}, trained
+    refs = {(NAME_RE.match(name)["dtype"], NAME_RE.match(name)["dropout"]): name for name in trained}
+    assert len(refs) == len(trained) and {t for t, _ in refs} == {"bf16", "fp16", "fp32"}, trained
     return refs

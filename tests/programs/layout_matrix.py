@@ -31,6 +31,8 @@ from parallel.mesh import Layout
 from processes import all_ranks, setup_processes
 from trainer import Trainer
 
+DROPOUT = [0.0, 0.1]
+
 
 def degrees(world, most):
     """Every assignment of degrees (each at most `most`) to the mesh's dimensions whose product is world."""
@@ -51,7 +53,8 @@ def combinations(world, most, batch, steps):
     shape with one schedule in turn, so that each schedule meets each type (their 20 steps are the cost).
     --ac and --grad_accum join pairwise, not as a product: the j-th run of the k-th shape takes mode
     j + k and accumulation j + k in turn, so that every shape meets every value and every value every
-    type; a pipeline accumulates with its micro-batches (one run says so: refused)."""
+    type; a pipeline accumulates with its micro-batches (one run says so: refused). --dropout 0 and 0.1
+    join as well, each value for two runs in turn; one process, the reference, runs each with both."""
     dtypes = {}  # one name per type the choices resolve to here (auto: fp32 on a CPU)
     for name in sorted(choices("--dtype"), key=lambda n: n == "auto"):
         dtypes.setdefault(parallel.resolve_dtype(name, torch.device("cpu")), name)
@@ -69,6 +72,7 @@ def combinations(world, most, batch, steps):
         for schedule, zero, dtype, *accumulate in runs:
             ac = modes[(j + k) % len(modes)]
             accum = 2 if accumulate or (shape["pp"] == 1 and (j + k) % 2) else 1
+            drop = DROPOUT[(j + k) // 2 % len(DROPOUT)]  # every other pair of runs
             j += not zero  # a zero run takes the next one's: zero stands beside replicas alone
             argv = [f"--{name}={size}" for name, size in shape.items()]
             argv += [f"--batch_size={batch // dp // accum}", f"--grad_accum={accum}"]
@@ -78,7 +82,9 @@ def combinations(world, most, batch, steps):
             argv += [f"--dtype={dtype}", f"--max_steps={steps[dtype]}", f"--eval_every={steps[dtype]}"]
             name = "x".join(f"{n}{s}" for n, s in shape.items() if s > 1) or "one"
             name += "".join(f"-{part}" for part in (schedule, zero and "zero", dtype) if part)
-            yield f"{name}-ac_{ac}-accum{accum}", argv
+            # one process is the reference: each of its runs with and without dropout
+            for value in DROPOUT if world == 1 else [drop]:
+                yield f"{name}-ac_{ac}-accum{accum}-dropout{value}", [*argv, f"--dropout={value}"]
 
 
 def parse(argv):
