@@ -159,7 +159,8 @@ def layout_checks(args, layout, cuda):
         (
             not args.compile or layout.tp == 1 or args.ac == "none",
             f"--compile with --tp {layout.tp} and --ac {args.ac}: torch.compile cannot yet save a "
-            "tensor-parallel block for recomputation (torch 2.13 fails in backward): --ac none, or no --compile",
+            "tensor-parallel block for recomputation (torch 2.13 fails in backward): --ac none, or no "
+            "--compile",
         ),
     ]
     if layout.pp > 1:
