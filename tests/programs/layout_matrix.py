@@ -54,7 +54,8 @@ def combinations(world, most, batch, steps):
     --ac and --grad_accum join pairwise, not as a product: the j-th run of the k-th shape takes mode
     j + k and accumulation j + k in turn, so that every shape meets every value and every value every
     type; a pipeline accumulates with its micro-batches (one run says so: refused). --dropout 0 and 0.1
-    join as well, each value for two runs in turn; one process, the reference, runs each with both."""
+    join as well: a shape's float32 runs take 0.1 and 0 in turn, its 16-bit runs 0 but in the first shape
+    (their 20 steps are the cost); one process, the reference, runs each with both."""
     dtypes = {}  # one name per type the choices resolve to here (auto: fp32 on a CPU)
     for name in sorted(choices("--dtype"), key=lambda n: n == "auto"):
         dtypes.setdefault(parallel.resolve_dtype(name, torch.device("cpu")), name)
@@ -68,11 +69,15 @@ def combinations(world, most, batch, steps):
         runs = [(s, zero, dtype) for dtype, s, zero in runs if dtype == dtypes[torch.float32] or s == turn]
         if shape["pp"] > 1:
             runs.append((turn, False, dtypes[torch.float32], "accum"))
-        j = 0
+        j = i = 0
         for schedule, zero, dtype, *accumulate in runs:
             ac = modes[(j + k) % len(modes)]
             accum = 2 if accumulate or (shape["pp"] == 1 and (j + k) % 2) else 1
-            drop = DROPOUT[(j + k) // 2 % len(DROPOUT)]  # every other pair of runs
+            # dropout: a shape's float32 runs in turn, from 0.1 (in the first shape from 0); its 16-bit
+            # runs (20 steps: the cost) 0.1 in the first shape alone
+            fp32 = dtype == dtypes[torch.float32]
+            drop = DROPOUT[(i + (k > 0)) % 2] if fp32 else DROPOUT[k == 0]
+            i += fp32 and not zero
             j += not zero  # a zero run takes the next one's: zero stands beside replicas alone
             argv = [f"--{name}={size}" for name, size in shape.items()]
             argv += [f"--batch_size={batch // dp // accum}", f"--grad_accum={accum}"]
