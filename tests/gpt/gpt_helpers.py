@@ -70,6 +70,12 @@ def gap(a, b):
     return (sum((a[k] - b[k]).square().sum() for k in keys) / sum(b[k].square().sum() for k in keys)).sqrt()
 
 
+def moved(mine, dropped, plain):
+    """How far a dropout run's weights (mine) moved from the run without dropout (plain), in units of how
+    far a reference dropout run (dropped) moved: masks differ between them, the distance from plain not."""
+    return gap(mine, plain) / gap(dropped, plain)
+
+
 def assert_close(mine, ref, tolerance=1e-4):
     """Two runs' saved states (saved()) equal within float summation order, amplified by AdamW: the weights
     and the optimizer state, whose moments see a gradient off by a constant factor that the weights do

@@ -17,7 +17,7 @@ import json
 import re
 
 import pytest
-from gpt_helpers import assert_close, gap, max_diff, run, saved
+from gpt_helpers import assert_close, gap, max_diff, moved, run, saved
 from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, import_gpt_module, once_per_session
 
 STEPS = {"fp32": 3, "bf16": 20, "fp16": 20}
@@ -97,7 +97,7 @@ def test_every_layout_trains_like_one_process_or_is_refused_in_one_line(tmp_path
         assert mine["step"] == STEPS[dtype] == ref["step"], name
         if runs[name]["dropout"] != "0.0":  # its own masks: as far from no dropout as one process goes
             dropped = saved(one[0] / "w1", refs[dtype, runs[name]["dropout"]])
-            ratio = gap(mine["model"], ref["model"]) / gap(dropped["model"], ref["model"])
+            ratio = moved(mine["model"], dropped["model"], ref["model"])
             print(f"{name}: moved {ratio:.3g} times as far from no dropout as one process's dropout run")
             assert DROPOUT_RATIO[0] < ratio < DROPOUT_RATIO[1], (name, ratio)
         elif dtype == "fp32":
