@@ -7,7 +7,8 @@ it ends with status 1 and, in place of torchrun's traceback, what failed, at whi
 long, and the usual causes. `make multinode`, the compose files and the Kubernetes manifests (k8s/) launch
 through it. Before torchrun starts, it waits, at most read_timeout, until the endpoint's host name resolves:
 a Kubernetes pod's DNS name appears a few seconds after the pod starts, and torchrun decides whether it hosts
-the store by resolving it once.
+the store by resolving it once. A refusal of the command line (exit status 2, argparse's) is not retried
+under --max-restarts: every attempt would refuse alike.
 """
 
 import socket
@@ -17,6 +18,8 @@ import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -28,6 +31,25 @@ from torch.distributed.run import parse_args
 
 # torchrun's defaults, for the message when --rdzv-conf does not set them
 JOIN_TIMEOUT, READ_TIMEOUT = 600, 60
+# argparse's exit status for a command line it refuses: a restart would refuse it again
+USAGE_ERROR = 2
+
+
+def refusals_end_the_run(agent_class):
+    """The agent gives up when its workers' first failure (torchrun's "root cause") exited with USAGE_ERROR,
+    whatever restarts are left; every other failure is restarted as before."""
+    monitor = agent_class._monitor_workers
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and result.failures:
+            first = min(result.failures.values(), key=lambda failure: failure.timestamp)
+            if first.exitcode == USAGE_ERROR and self._remaining_restarts > 0:
+                print("a worker refused its command line (exit 2): not restarted", file=sys.stderr, flush=True)
+                self._remaining_restarts = 0
+        return result
+
+    agent_class._monitor_workers = _monitor_workers
 
 
 def rdzv_conf(text):
@@ -128,6 +150,7 @@ def explain(args, exc):
 
 
 if __name__ == "__main__":
+    refusals_end_the_run(LocalElasticAgent)
     args = parse_args(sys.argv[1:])
     if args.rdzv_backend == "c10d" and not args.standalone:
         wait_for_name(args.rdzv_endpoint, float(rdzv_conf(args.rdzv_conf).get("read_timeout", READ_TIMEOUT)))

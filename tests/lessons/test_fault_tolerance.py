@@ -22,6 +22,7 @@ from helpers import (
     EXAMPLES,
     GPU_ENV,
     GPUS,
+    PROGRAMS,
     PYTHON,
     REPO,
     SITES,
@@ -393,6 +394,19 @@ def test_timeout_bounds_the_wait_for_a_stuck_rank(tmp_path):
     assert "Timed out" in proc.stdout or "timed out" in proc.stdout, proc.stdout[-3000:]
     # ended by the 5 s timeout and the teardown, not by the stuck rank's 300 s save
     assert seconds < 5 + TEARDOWN_MARGIN, f"took {seconds:.0f} s with a 5 s timeout"
+
+
+def test_launcher_restarts_a_crash_but_not_a_refusal(tmp_path):
+    """tools/launch.py (compose, Kubernetes and Slurm start torchrun through it) under --max-restarts=2: a
+    worker that exits 1 (a crash) is started three times; one that exits 2 (argparse's refusal of its
+    command line, as every lesson and the GPT trainer refuse) once: each attempt would refuse alike.
+    Mutation: the agent left unpatched (refusals_end_the_run not called): the refusal is tried 3 times."""
+    for status, attempts in [(1, 3), (2, 1)]:
+        cmd = [PYTHON, REPO / "tools" / "launch.py", "--standalone", "--nproc-per-node=1", "--max-restarts=2"]
+        proc = run([*cmd, PROGRAMS / "exit_with.py", status], timeout=120, check=False, cwd=tmp_path)
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert proc.stdout.count("attempt ") == attempts, proc.stdout[-3000:]
+        assert ("refused its command line" in proc.stdout) == (status == 2), proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("path", ["compose/compose.yaml", "harness/steps.py", "examples/slurm/sbatch_run.sh"])
