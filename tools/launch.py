@@ -45,7 +45,7 @@ def refusals_end_the_run(agent_class):
         if result.state == WorkerState.FAILED and result.failures:
             first = min(result.failures.values(), key=lambda failure: failure.timestamp)
             if first.exitcode == USAGE_ERROR and self._remaining_restarts > 0:
-                print("a worker refused its command line (exit 2): not restarted", file=sys.stderr, flush=True)
+                print("a worker refused its command line (exit 2): not restarted", file=sys.stderr)
                 self._remaining_restarts = 0
         return result
 
