@@ -54,7 +54,7 @@ retry = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; sleep 5; done; 
 SHELL := bash
 .SHELLFLAGS := -o pipefail -c
 .DEFAULT_GOAL := help
-.PHONY: bench bench-allreduce
+.PHONY: bench bench-anchors bench-allreduce
 .PHONY: help env single_gpu multigpu dataparallel torchrun multinode accelerate ray recipe recipe-accelerate diff doctor fault-demo torchft pitfalls gpu-check test test-quick test-fast lint k8s-check pins clean distclean
 
 # ==== Docker and two nodes: the image (Dockerfile) and two containers as two nodes (compose.yaml, compose/) ===
@@ -108,7 +108,7 @@ HELP_GROUPS := Lessons: env single_gpu multigpu dataparallel torchrun multinode 
   recipe recipe-accelerate diff GPT: gpt-data gpt tensorboard Docker: image image-ray image-current base-image two-node \
   two-node-cpu two-node-accelerate two-node-down two-node-failover two-node-torchft Engines: slurm-cluster \
   slurm-submit slurm-status slurm-down k8s-check Diagnostics: doctor pitfalls why-hung fault-demo \
-  Benchmarks: bench bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick test-fast lint \
+  Benchmarks: bench bench-anchors bench-gpt bench-allreduce memory Tests_and_upkeep: gpu-check test test-quick test-fast lint \
   pins clean distclean help
 HELP_AWK := BEGIN { n = split(groups, w, " "); for (i = 1; i <= n; i++) if (w[i] ~ /:$$/) { g = w[i]; \
   gsub("_", " ", g); order[++k] = g } else { of[w[i]] = g; rank[w[i]] = i } } \
@@ -306,6 +306,10 @@ bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 pr
 	$(PY) benchmarks/lessons.py --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(PY) benchmarks/gpt_throughput.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
 	$(PY) benchmarks/gpt_throughput.py --strategies --rounds 2 --steps 40 --out $(BENCH_OUT)/gpt-strategies.json $(GPT_BENCH_ARGS)
+
+bench-anchors: $(ENV) ## single_gpu.py vs the upstream tutorial's loop on its workload, 7 rounds of 100 epochs
+	$(PY) benchmarks/lessons.py --workloads tiny --variants plain tutorial tutorial_mse --tiny_size 2048 \
+	  --epochs 100 --repeats 7 --out $(BENCH_OUT)/anchors $(BENCH_ARGS)
 
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
 	$(TORCHRUN) --standalone --nproc-per-node=$(NPROC) benchmarks/allreduce.py \
