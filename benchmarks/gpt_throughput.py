@@ -8,7 +8,10 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python benchmarks/gpt_throughput.py --strategies ddp zero
     python benchmarks/gpt_throughput.py --shards  # batches read from memory-mapped shards vs --in_memory
     python benchmarks/gpt_throughput.py --metrics  # TensorBoard and per-process times on vs JSON lines alone
+    python benchmarks/gpt_throughput.py --nanogpt --rounds 5  # against nanoGPT's loop (nanogpt_loop.py)
 
+--nanogpt: the cpu preset's shape (4 layers, width 128, context 128) trained by train.py and by nanoGPT's
+loop, each on 2 DDP processes of 1 thread, from one folder of nanoGPT's character-level data.
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
 benchmarks/gpt_memory.py starts its trainings through run_training() below.
@@ -28,6 +31,8 @@ from pathlib import Path
 from unittest import mock
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
+NANOGPT = Path(__file__).resolve().parent / "nanogpt_loop.py"
+NANOGPT_LINE = re.compile(r"^iter \d+: loss \S+, time ([\d.]+)ms$", re.MULTILINE)
 sys.path.insert(0, str(TRAIN.parent))  # config: train.py's options and layouts
 # what starts a run of more than one process, given --nproc-per-node=N (--launcher: another command)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -100,6 +105,25 @@ def run_training(
     return [json.loads(line) for line in metrics.read_text().splitlines()], output
 
 
+def run_nanogpt(data, global_batch, *, steps, log_every, limit, launcher=TORCHRUN):
+    """benchmarks/nanogpt_loop.py on 2 processes of 1 thread: records as run_training's, the tokens/s of
+    each log_every iterations from the times its rank 0 prints."""
+    cmd = [*launcher, "--nproc-per-node=2", NANOGPT, "--data", data, "--max_iters", steps]
+    cmd += ["--batch_size", global_batch // 2, "--gradient_accumulation_steps", 2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        raise TrainingFailed(f"no end within {limit:.0f} s") from exc
+    seconds = [float(ms) / 1000 for ms in NANOGPT_LINE.findall(proc.stdout)]
+    if proc.returncode != 0 or len(seconds) != steps:
+        message = f"nanogpt_loop.py: exit {proc.returncode}, {len(seconds)} of {steps} iterations timed"
+        raise TrainingFailed(message, proc.stdout + proc.stderr)
+    tokens = global_batch * 128  # sequences of nanogpt_loop.py's --block_size
+    intervals = [seconds[i : i + log_every] for i in range(0, steps, log_every)]
+    return [{"tokens_per_s": tokens * len(chunk) / sum(chunk)} for chunk in intervals]
+
+
 def tokens_per_s(records):
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first interval warms up
     return statistics.mean(rates)
@@ -107,6 +131,8 @@ def tokens_per_s(records):
 
 def plan(args, train_args, parser):
     """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
+    if args.nanogpt:  # the trainer's --data (the folder nanoGPT's loop reads too) comes in main
+        return {"nanogpt": (2, 1, []), "trainer": (2, 1, ["--batch_size", args.global_batch // 2])}, "nanogpt"
     if args.shards:  # 2 DDP processes either way: the data path is the only difference
         batch = ["--batch_size", args.global_batch // 2]
         return {"in_memory": (2, 1, [*batch, "--in_memory"]), "shards": (2, 1, batch)}, "in_memory"
@@ -153,6 +179,10 @@ def main():
         "--metrics", action="store_true",
         help="compare TensorBoard event files and per-process times against the JSON lines alone (2 ranks)",
     )  # fmt: skip
+    p.add_argument(
+        "--nanogpt", action="store_true",
+        help="compare train.py with nanoGPT's loop (benchmarks/nanogpt_loop.py), the cpu preset's shape",
+    )  # fmt: skip
     p.add_argument("--cache_dir", default=None, help="corpus cache (default: train.py's)")
     p.add_argument("--limit", type=float, default=900, help="seconds one run may take (900)")
     p.add_argument("--out", help="also write the results as JSON here")
@@ -173,17 +203,31 @@ def main():
         from data import default_cache_dir
 
         args.cache_dir = default_cache_dir()
-    if sum([args.shards, args.metrics, args.strategies is not None]) > 1:
-        p.error("--shards, --metrics and --strategies are different comparisons: give one")
+    if sum([args.shards, args.metrics, args.nanogpt, args.strategies is not None]) > 1:
+        p.error("--shards, --metrics, --nanogpt and --strategies are different comparisons: give one")
+    if args.nanogpt and train_args:
+        p.error(f"--nanogpt compares the cpu preset's shape: no options for train.py, got {train_args}")
     variants, baseline = plan(args, train_args, p)
     names = list(variants)
     results, failed = {name: [] for name in names}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.nanogpt:  # one folder of nanoGPT's data for both
+            import nanogpt_loop
+
+            nanogpt_loop.prepare(Path(tmp) / "nanogpt-data")
+            variants["trainer"][2].extend(["--data", Path(tmp) / "nanogpt-data"])
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
             for name in (n for n in order if n not in failed):
                 procs, threads, extra = variants[name]
                 try:
+                    if name == "nanogpt":
+                        records = run_nanogpt(
+                            Path(tmp) / "nanogpt-data", args.global_batch, steps=args.steps,
+                            log_every=args.log_every, limit=args.limit, launcher=args.launcher,
+                        )  # fmt: skip
+                        results[name].append(tokens_per_s(records))
+                        continue
                     records, output = run_training(
                         name, procs, threads, [*extra, *train_args], Path(tmp), steps=args.steps,
                         log_every=args.log_every, cache_dir=args.cache_dir, limit=args.limit,
@@ -218,7 +262,14 @@ def report(args, train_args, names, baseline, results, failed):
         print(f"  {name:26s} {statistics.mean(values):10.0f} ± {std:.0f}")
     base = statistics.mean(results[baseline])
     ratios = {n: statistics.mean(results[n]) / base for n in names if n != baseline and n not in failed}
-    if args.shards:
+    if args.nanogpt:
+        ratio = ratios["trainer"]
+        spread = [t / n for t, n in zip(results["trainer"], results["nanogpt"], strict=True)]
+        print(
+            f"  ratio trainer/nanogpt (goal >= 1.05) {ratio:.3f}; within a round: median "
+            f"{statistics.median(spread):.3f}, {min(spread):.3f}-{max(spread):.3f} over {len(spread)} rounds"
+        )
+    elif args.shards:
         ratio = ratios["shards"]
         print(f"  ratio shards/in_memory (goal >= 0.98) {ratio:.3f}")
     elif args.metrics:
