@@ -122,14 +122,14 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process: a linear regression on a list of (input, target) pairs (a DataLoader reads
-    them faster than a TensorDataset); foreach=True runs SGD as GPUs do."""
+    """The same in every process: a linear regression on a list of (input, target) pairs, which a
+    DataLoader reads faster than a TensorDataset; SGD foreach, as on GPUs."""
     torch.manual_seed(args.seed)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return list(zip(inputs, targets)), model, optimizer, torch.nn.functional.mse_loss
+    return list(zip(inputs, targets, strict=True)), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
