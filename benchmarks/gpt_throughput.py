@@ -109,7 +109,7 @@ def run_nanogpt(data, global_batch, *, steps, log_every, limit, launcher=TORCHRU
     """benchmarks/nanogpt_loop.py on 2 processes of 1 thread: records as run_training's, the tokens/s of
     each log_every iterations from the times its rank 0 prints."""
     cmd = [*launcher, "--nproc-per-node=2", NANOGPT, "--data", data, "--max_iters", steps]
-    cmd += ["--batch_size", global_batch // 2, "--gradient_accumulation_steps", 2]
+    cmd += ["--batch_size", global_batch // 2, "--gradient_accumulation_steps", 2, "--block_size", 128]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     try:
         proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
@@ -119,7 +119,7 @@ def run_nanogpt(data, global_batch, *, steps, log_every, limit, launcher=TORCHRU
     if proc.returncode != 0 or len(seconds) != steps:
         message = f"nanogpt_loop.py: exit {proc.returncode}, {len(seconds)} of {steps} iterations timed"
         raise TrainingFailed(message, proc.stdout + proc.stderr)
-    tokens = global_batch * 128  # sequences of nanogpt_loop.py's --block_size
+    tokens = global_batch * 128  # sequences of --block_size tokens, the cpu preset's
     intervals = [seconds[i : i + log_every] for i in range(0, steps, log_every)]
     return [{"tokens_per_s": tokens * len(chunk) / sum(chunk)} for chunk in intervals]
 
