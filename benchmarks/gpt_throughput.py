@@ -106,10 +106,14 @@ def run_training(
 
 
 def run_nanogpt(data, global_batch, *, steps, log_every, limit, launcher=TORCHRUN):
-    """benchmarks/nanogpt_loop.py on 2 processes of 1 thread: records as run_training's, the tokens/s of
-    each log_every iterations from the times its rank 0 prints."""
+    """benchmarks/nanogpt_loop.py on 2 processes of 1 thread, in the cpu preset's shape: records as
+    run_training's, the tokens/s of each log_every iterations from the times its rank 0 prints."""
+    from presets import PRESETS
+
+    shape = {key: PRESETS["cpu"][key] for key in ("n_layer", "n_head", "n_embd", "block_size")}
     cmd = [*launcher, "--nproc-per-node=2", NANOGPT, "--data", data, "--max_iters", steps]
-    cmd += ["--batch_size", global_batch // 2, "--gradient_accumulation_steps", 2, "--block_size", 128]
+    cmd += ["--batch_size", global_batch // 2, "--gradient_accumulation_steps", 2]
+    cmd += [item for key, value in shape.items() for item in (f"--{key}", value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     try:
         proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=limit)
@@ -119,7 +123,7 @@ def run_nanogpt(data, global_batch, *, steps, log_every, limit, launcher=TORCHRU
     if proc.returncode != 0 or len(seconds) != steps:
         message = f"nanogpt_loop.py: exit {proc.returncode}, {len(seconds)} of {steps} iterations timed"
         raise TrainingFailed(message, proc.stdout + proc.stderr)
-    tokens = global_batch * 128  # sequences of --block_size tokens, the cpu preset's
+    tokens = global_batch * shape["block_size"]
     intervals = [seconds[i : i + log_every] for i in range(0, steps, log_every)]
     return [{"tokens_per_s": tokens * len(chunk) / sum(chunk)} for chunk in intervals]
 
@@ -132,7 +136,8 @@ def tokens_per_s(records):
 def plan(args, train_args, parser):
     """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
     if args.nanogpt:  # the trainer's --data (the folder nanoGPT's loop reads too) comes in main
-        return {"nanogpt": (2, 1, []), "trainer": (2, 1, ["--batch_size", args.global_batch // 2])}, "nanogpt"
+        trainer = ["--model", "cpu", "--batch_size", args.global_batch // 2]
+        return {"nanogpt": (2, 1, []), "trainer": (2, 1, trainer)}, "nanogpt"
     if args.shards:  # 2 DDP processes either way: the data path is the only difference
         batch = ["--batch_size", args.global_batch // 2]
         return {"in_memory": (2, 1, [*batch, "--in_memory"]), "shards": (2, 1, batch)}, "in_memory"
@@ -211,11 +216,12 @@ def main():
     names = list(variants)
     results, failed = {name: [] for name in names}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        nanogpt_data = Path(tmp) / "nanogpt-data"
         if args.nanogpt:  # one folder of nanoGPT's data for both
             import nanogpt_loop
 
-            nanogpt_loop.prepare(Path(tmp) / "nanogpt-data")
-            variants["trainer"][2].extend(["--data", Path(tmp) / "nanogpt-data"])
+            nanogpt_loop.prepare(nanogpt_data)
+            variants["trainer"][2].extend(["--data", nanogpt_data])
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
             for name in (n for n in order if n not in failed):
@@ -223,7 +229,7 @@ def main():
                 try:
                     if name == "nanogpt":
                         records = run_nanogpt(
-                            Path(tmp) / "nanogpt-data", args.global_batch, steps=args.steps,
+                            nanogpt_data, args.global_batch, steps=args.steps,
                             log_every=args.log_every, limit=args.limit, launcher=args.launcher,
                         )  # fmt: skip
                         results[name].append(tokens_per_s(records))
