@@ -123,8 +123,7 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process: a linear regression on a list of (input, target) pairs, which a
-    DataLoader reads faster than a TensorDataset; SGD foreach, as on GPUs."""
+    """The same in every process: a linear regression on a list of (input, target) pairs; SGD as on GPUs."""
     torch.manual_seed(args.seed)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
