@@ -65,12 +65,14 @@ def test_changing_a_token_never_changes_the_outputs_at_earlier_positions():
 def test_the_padded_vocabulary_is_invisible_to_loss_grads_samples():
     """The padded vocabulary is invisible to the loss the gradients and the samples.
 
-    50 tokens padded to 64 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
-    rows get no gradient and are never sampled. Mutation: the head's bias left at zero (the padding scored
-    like any token): the loss differs and this fails."""
+    50 tokens padded to 56 rows: the loss equals the cross-entropy over the 50 real outputs, the padded
+    rows get no gradient and are never sampled. The rule: a multiple of 64 from 4096 tokens (GPT-2's 50257
+    -> 50304), else of 8 (65 characters -> 72, not 128). Mutations: the head's bias left at zero (the
+    padding scored like any token): the loss differs; every vocabulary rounded to 64: fails."""
     model_mod = import_gpt_module("model")
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    assert cfg.padded_vocab == 64 and model_mod.GPTConfig(vocab_size=50257).padded_vocab == 50304
+    padded = {n: model_mod.GPTConfig(vocab_size=n).padded_vocab for n in (50, 65, 96, 4095, 4096, 50257)}
+    assert padded == {50: 56, 65: 72, 96: 96, 4095: 4096, 4096: 4096, 50257: 50304}, padded
     model = model_mod.GPT(cfg)
     model.init_weights(seed=0)
     assert not model.head.bias.requires_grad
@@ -163,7 +165,7 @@ def test_the_chunked_loss_ignores_padding_and_overflows_no_sooner_than_whole_log
 
 
 def loss_and_gradients(model_mod, chunk, dtype=torch.float32):
-    """The loss of a small model with a padded vocabulary (50 tokens, 64 rows: the head's frozen padding
+    """The loss of a small model with a padded vocabulary (50 tokens, 56 rows: the head's frozen padding
     bias) and every parameter's gradient: in chunks of `chunk` positions (model.head_loss), or with None as
     before, the whole logits through model.cross_entropy."""
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)

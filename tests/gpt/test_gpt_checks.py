@@ -181,7 +181,7 @@ def test_mfu_is_recorded_by_this_trainers_count_and_by_llm_cs(tmp_path, cache):
     train(tmp_path, cache, *args)
     (logged,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:1]]
     with torch.device("meta"):  # TINY's shape, on the default corpus's 96 characters
-        tiny = model_mod.GPT(model_mod.GPTConfig(96, 64, n_layer=2, n_head=2, n_embd=64))
+        tiny = model_mod.GPT(model_mod.GPTConfig(96, 64, n_layer=2, n_head=2, n_embd=64, bias=False))
     ratio = model_mod.flops_per_token(tiny, llmc=True) / model_mod.flops_per_token(tiny)
     assert logged["mfu_llmc"] == pytest.approx(logged["mfu"] * ratio), logged
 

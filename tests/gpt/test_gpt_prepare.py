@@ -568,7 +568,8 @@ def test_bpe_export_loads_in_transformers_with_same_logits(tmp_path, cache, bpe,
 def small_gpt2(folder, tokenizer_json):
     """A GPT-2 as transformers makes and saves one (weights cannot be downloaded here): 2 layers, 2 heads,
     width 64, 64 positions, GPT-2's tanh GELU, and our BPE as its tokenizer. Its MLP's input weights are
-    scaled up 30 times, so that the two GELUs (exact, tanh) give measurably different logits."""
+    scaled up 30 times, so that the two GELUs (exact, tanh) give measurably different logits, and its
+    biases drawn at random, as trained ones are."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     eot = import_gpt_module("tokenizer").EOT
@@ -580,6 +581,9 @@ def small_gpt2(folder, tokenizer_json):
     with torch.no_grad():
         for block in model.transformer.h:
             block.mlp.c_fc.weight.mul_(30)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):  # GPT-2's start at zero; trained ones are not
+                param.normal_(0.0, 0.02)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model.eval()
@@ -593,15 +597,19 @@ def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts)
     prepare.py --tokenizer DIR encodes text with its tokenizer, and train.py fine-tunes it on 2 processes
     sharded (FSDP), resumes, and exports back: at a learning rate of 1e-12 the exported weights are the
     original ones (within 1e-6).
-    Mutations: the exact GELU in place of GPT-2's: the logits differ by 5.7e-5; the q, k, v rows left in
-    GPT-2's order: by 0.28."""
+    Its biases are not dropped: read into a model without biases (--bias no), it is refused. Mutations:
+    the exact GELU in place of GPT-2's: the logits differ by 5.7e-5; the q, k, v rows left in GPT-2's
+    order: by 0.28; biases skipped unchecked: no refusal."""
     from safetensors.torch import load_file
 
     hf_mod, model_mod = import_gpt_module("snapshots.hf"), import_gpt_module("model")
     folder = tmp_path / "gpt2-small-ish"
     theirs = small_gpt2(folder, bpe / "tokenizer.json")
     shape = hf_mod.read_config(folder)
-    cfg = model_mod.GPTConfig(**shape)
+    assert shape["bias"] == "yes"  # GPT-2's: a bias-free model (--bias no) would drop them
+    with pytest.raises(hf_mod.HFError, match=r"\.bias is not zero: train it with --bias yes"):
+        hf_mod.load_into(folder, model_mod.GPT(model_mod.GPTConfig(**shape | {"bias": False})))
+    cfg = model_mod.GPTConfig(**shape | {"bias": True})
     ours = model_mod.GPT(cfg)
     ours.init_weights(0)
     hf_mod.load_into(folder, ours)
@@ -629,13 +637,20 @@ def test_hugging_face_gpt2_fine_tunes_from_its_own_weights(tmp_path, bpe, texts)
 
 
 def test_the_gpt2_preset_with_bpe_is_gpt2_small_with_124m_parameters():
+    """GPT-2 small's shape and count, with GPT-2's biases; the cpu preset has none (nanoGPT's default),
+    unless --bias yes. Mutation: the cpu preset with biases: fails."""
     names = ("config", "model", "snapshots.train_state", "data")
     config, model_mod, train_state, data = (import_gpt_module(n) for n in names)
+    for argv, biases in [(["--model", "cpu"], False), (["--model", "cpu", "--bias", "yes"], True)]:
+        with torch.device("meta"):
+            model = model_mod.GPT(train_state.model_config(config.parse_args(argv)[1], 96))
+        assert any(name.endswith(".bias") for name, _ in model.named_parameters()) == biases, argv
     _, args = config.parse_args(["--model", "gpt2", "--dtype", "fp32"])
     assert args.tokenizer == "bpe" and data.GPT2_VOCAB == 50257  # text --data gets a BPE of this size
     with torch.device("meta"):
         model = model_mod.GPT(train_state.model_config(args, data.GPT2_VOCAB))
     cfg = model.cfg
+    assert cfg.bias and model.blocks["0"].attn.qkv.bias is not None
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
     count = model_mod.parameter_count(model, non_embedding=False)
     # GPT-2 small's 124.44M, and the padding: 47 more embedding rows and the head's frozen bias

@@ -99,7 +99,7 @@ def is_folder(path):
 
 def read_config(folder):
     """The model options a GPT-2 folder's config.json stands for: n_layer, n_head, n_embd,
-    block_size (its n_positions), activation, and its vocab_size."""
+    block_size (its n_positions), activation, bias (GPT-2 has them), and its vocab_size."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -112,7 +112,7 @@ def read_config(folder):
         return {
             "n_layer": config["n_layer"], "n_head": config["n_head"], "n_embd": config["n_embd"],
             "block_size": config["n_positions"], "vocab_size": config["vocab_size"],
-            "activation": ACTIVATIONS[config.get("activation_function", "gelu_new")],
+            "activation": ACTIVATIONS[config.get("activation_function", "gelu_new")], "bias": "yes",
         }  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise HFError(f"--init_from {folder}: not a GPT-2 folder this trainer reads: {exc}") from None
@@ -138,9 +138,11 @@ def load_into(folder, model):
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, key in ours.items():
-            if name not in params:  # a model without biases: GPT-2's are zeros
-                continue
             value = weights[key]
+            if name not in params:  # a model without biases (--bias no): they must be zeros
+                if value.any():
+                    raise HFError(f"--init_from {folder}: its {key} is not zero: train it with --bias yes")
+                continue
             if value.dim() == 2 and name.startswith("blocks."):  # a Conv1D's weight
                 value = value.T
             if ".attn.qkv." in name:

@@ -11,7 +11,8 @@ from processes import all_ranks
 
 from snapshots import checkpoint, hf
 
-# The Config fields that make the model's shape (GPTConfig's, but its vocabulary: the corpus's)
+# The Config fields that make the model's shape (GPTConfig's, but its vocabulary, the corpus's, and
+# --bias, yes or no)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "activation")
 # The run's learning-rate schedule and length, kept
 # in snapshots: a resumed run says what it changes.
@@ -85,7 +86,8 @@ def compare_schedule(a, before, log):
 
 
 def model_config(args, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, **{key: getattr(args, key) for key in MODEL_KEYS})
+    shape = {key: getattr(args, key) for key in MODEL_KEYS}
+    return GPTConfig(vocab_size=vocab_size, bias=args.bias == "yes", **shape)
 
 
 def snapshot_config(args, corpus):
