@@ -63,8 +63,8 @@ class Config:
         choices=["gelu", "gelu_tanh"],
     )
     bias: str = option(
-        "biases in the linear layers and norms: yes (GPT-2's, a GPT-2 --init_from's) or no (nanoGPT's "
-        "default: less work a token, 5%% of a CPU step) (default: the preset's)",
+        "biases in the linear layers and norms: yes (GPT-2's, a GPT-2 --init_from's) or no "
+        "(nanoGPT's default: 5%% less work a CPU step) (default: the preset's)",
         choices=["yes", "no"],
     )
     max_steps: int = option(

@@ -141,7 +141,8 @@ def load_into(folder, model):
             value = weights[key]
             if name not in params:  # a model without biases (--bias no): they must be zeros
                 if value.any():
-                    raise HFError(f"--init_from {folder}: its {key} is not zero: train it with --bias yes")
+                    message = f"its {key} is not zero: train it with --bias yes"
+                    raise HFError(f"--init_from {folder}: {message}")
                 continue
             if value.dim() == 2 and name.startswith("blocks."):  # a Conv1D's weight
                 value = value.T
