@@ -106,8 +106,10 @@ class LossScaler:
         return loss * self.value if self.enabled else loss
 
     def unscale(self, params):
+        if not self.enabled:  # fp16 alone scales its loss
+            return
         grads = [local(p.grad) for p in params if p.grad is not None]
-        if self.enabled and grads:
+        if grads:
             torch._foreach_mul_(grads, self.value.reciprocal())
 
     def update(self, skipped):
