@@ -32,6 +32,13 @@ def load_whole(snapshot_dir):
     shape = {f.name for f in fields(GPTConfig)}  # the config also holds checks: vocabulary digest, layout
     with torch.device("meta"):
         model = GPT(GPTConfig(**{key: value for key, value in state["config"].items() if key in shape}))
+    rows = state["config"].get("padded_vocab", model.cfg.padded_vocab)
+    if rows != model.cfg.padded_vocab:  # written when every vocabulary was padded to 64
+        raise checkpoint.SnapshotError(
+            f"{snapshot_dir} holds {rows} vocabulary rows, this version's model "
+            f"{model.cfg.padded_vocab} (a vocabulary under 4096 tokens is no longer padded): "
+            "export it with the version that wrote it"
+        )
     model.to_empty(device="cpu")
     model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
     init_buffers(model)

@@ -87,7 +87,7 @@ def compare_schedule(a, before, log):
 
 def model_config(args, vocab_size):
     shape = {key: getattr(args, key) for key in MODEL_KEYS}
-    return GPTConfig(vocab_size=vocab_size, bias=args.bias == "yes", **shape)
+    return GPTConfig(vocab_size=vocab_size, bias=args.bias != "no", **shape)
 
 
 def snapshot_config(args, corpus):
