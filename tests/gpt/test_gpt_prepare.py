@@ -192,9 +192,10 @@ def test_the_encoding_pool_ends_when_its_reader_stops_early():
 
 def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):
     """prepare.py streams: its peak RSS (one process, --workers 1: reading, training the BPE, encoding,
-    writing) with 12 MB of text (the standard library's source) stays within 1.2x of its peak with the
-    first 3 MB, and under 1.5 GB (905 and 945 MiB, torch's import 500 of them). Mutation: each file read and
-    encoded whole (PIECE = 1 << 30): 1126 and 2915 MiB."""
+    writing) with 12 MB of text (the standard library's source) stays within 1.5x of its peak with the
+    first 3 MB, and under 1.5 GB (torch's import 500 MiB of it). The peaks move from run to run: 730 and
+    771, 734 and 856 MiB alone; 539 and 659 (1.22x) in a CI run beside other tests, which a bound of 1.2x
+    failed. Mutation: each file read and encoded whole (PIECE = 1 << 30): 1126 and 2915 MiB (2.6x)."""
     stdlib = "".join(piece for piece, _ in import_gpt_module("prepare").pieces(["stdlib"]))
     peaks = {}
     for name, size in (("small", len(stdlib) // 4), ("large", len(stdlib))):
@@ -206,7 +207,7 @@ def test_preparing_a_corpus_4_times_larger_needs_no_more_memory(tmp_path):
         peaks[name] = int(re.search(r"^peak RSS (\d+)$", proc.stdout, re.M).group(1))
         shutil.rmtree(folder)
     print({name: f"{peak / 2**20:.0f} MiB" for name, peak in peaks.items()})
-    assert peaks["large"] <= 1.2 * peaks["small"] and peaks["large"] < 1.5 * 2**30, peaks
+    assert peaks["large"] <= 1.5 * peaks["small"] and peaks["large"] < 1.5 * 2**30, peaks
 
 
 def test_a_bpe_smaller_than_asked_says_why_and_a_terminal_sees_progress(tmp_path):
