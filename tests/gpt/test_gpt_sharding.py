@@ -223,17 +223,18 @@ def test_a_sharded_snapshot_it_cannot_use_is_refused_and_left_untouched(tmp_path
 
 def test_export_refuses_a_snapshot_of_a_padded_vocabulary_and_says_why(tmp_path, crashed):
     """A snapshot written when every vocabulary was padded to a multiple of 64 (its config: 128 rows; the
-    model of 96 characters now has 96) is refused by export.py with the reason, before DCP reads a shard.
-    Mutation: the check left out -> DCP's size mismatch, read as "cannot resume", and this fails."""
+    model of 96 characters now has 96) is refused by export.py with the reason, before DCP reads a shard
+    (where a real one fails with a size mismatch, said as "cannot resume"). Only the config is changed
+    here. Mutation: the check left out -> not refused, fails."""
     shutil.copytree(crashed, tmp_path / "gpt_snapshot")
     step_dir = tmp_path / "gpt_snapshot" / (tmp_path / "gpt_snapshot" / "latest").read_text().strip()
     extra = torch.load(step_dir / "extra.pt", weights_only=True)
     assert extra["config"]["padded_vocab"] == 96
     torch.save({**extra, "config": {**extra["config"], "padded_vocab": 128}}, step_dir / "extra.pt")
-    checkpoint = import_gpt_module("snapshots.checkpoint")
+    export_mod = import_gpt_module("export")
     said = r"holds 128 vocabulary rows, this version's model 96 \(a vocabulary under 4096 tokens is no"
-    with pytest.raises(checkpoint.SnapshotError, match=said):
-        import_gpt_module("export").load_whole(tmp_path / "gpt_snapshot")
+    with pytest.raises(export_mod.checkpoint.SnapshotError, match=said):
+        export_mod.load_whole(tmp_path / "gpt_snapshot")
 
 
 @pytest.mark.parametrize(
