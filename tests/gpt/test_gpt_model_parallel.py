@@ -26,9 +26,11 @@ from gpt_helpers import (
 from helpers import FORKRUN, GPT_ON_PATH, PROGRAMS, TORCHRUN
 
 # 3 layers: 3 pipeline stages have one block each, 2 stages one and two. Global batch 16 everywhere.
-# --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests
+# --grad_clip 0: a clipped step hides a gradient off by a constant factor from AdamW, and so from the tests.
+# --bias yes: the layouts split biases too (tp's row-split ones stay whole); test_gpt_layouts.py runs the
+# cpu preset's model without them
 RUN = ["--n_layer", 3, "--max_steps", 20, "--decay_steps", 20, "--batch_size", 16, "--eval_every", 10]
-RUN += ["--grad_clip", 0]
+RUN += ["--grad_clip", 0, "--bias", "yes"]
 REPLICAS_RE = re.compile(r"^replicas identical: (\d+) copies compared across ranks$", re.M)
 
 
