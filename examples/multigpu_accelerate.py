@@ -15,7 +15,7 @@ import torch.distributed.nn  # before any group forms, or the exit may abort
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 
 class Trainer:
@@ -29,7 +29,7 @@ class Trainer:
         self.args = args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # the shuffling generator, which prepare() keeps using
-        self.order = train_data.sampler.generator
+        self.order = train_data.sampler.sampler.generator
         # prepare(): DDP around the model, each process given its share of every batch
         prepared = accelerator.prepare(self.model, self.optimizer, self.train_data)
         self.model, self.optimizer, self.train_data = prepared
@@ -80,7 +80,9 @@ def main():
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # one shuffled order, split between the processes by prepare()
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # each batch read at once, not sample by sample
+    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
+    train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, accelerator, args).train()
     except KeyboardInterrupt:
@@ -124,13 +126,13 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process: a linear regression on a list of (input, target) pairs; SGD as on GPUs."""
+    """The same in every process: a linear regression, its data in two tensors; SGD as on GPUs."""
     torch.manual_seed(args.seed)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return list(zip(inputs, targets, strict=True)), model, optimizer, torch.nn.functional.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):

@@ -11,7 +11,7 @@ import sys
 from datetime import timedelta
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 from torchft import Manager, Optimizer, ProcessGroupGloo
 
 
@@ -49,7 +49,7 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         # a new order every epoch, the same in every run
-        self.train_data.sampler.set_epoch(epoch)
+        self.train_data.sampler.sampler.set_epoch(epoch)
         losses = []
         last_step = (epoch + 1) * len(self.train_data)
         for source, targets in self.train_data:
@@ -94,7 +94,9 @@ def main():
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each group takes every replica_groups-th sample
     sampler = DistributedSampler(train_set, args.replica_groups, args.replica_group, seed=args.seed)
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # each batch read at once, not sample by sample
+    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
+    train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     except (RuntimeError, TimeoutError) as exc:
@@ -137,13 +139,13 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process: a linear regression on a list of (input, target) pairs; SGD as on GPUs."""
+    """The same in every process: a linear regression, its data in two tensors; SGD as on GPUs."""
     torch.manual_seed(args.seed)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return list(zip(inputs, targets, strict=True)), model, optimizer, torch.nn.functional.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):

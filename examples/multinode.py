@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # before any group forms, or the exit may abort
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 
 def ddp_setup(wait):
@@ -48,7 +48,7 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
+        self.train_data.sampler.sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
         losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
@@ -83,7 +83,9 @@ def main():
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # each batch read at once, not sample by sample
+    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
+    train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, args).train()
     except KeyboardInterrupt:
@@ -127,13 +129,13 @@ def get_args(parser):
 
 
 def load_train_objs(args):
-    """The same in every process: a linear regression on a list of (input, target) pairs; SGD as on GPUs."""
+    """The same in every process: a linear regression, its data in two tensors; SGD as on GPUs."""
     torch.manual_seed(args.seed)
     inputs = torch.randn(args.dataset_size, 20)
     targets = inputs @ torch.randn(20, 1) + 0.01 * torch.randn(args.dataset_size, 1)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, args.momentum, foreach=True)
-    return list(zip(inputs, targets, strict=True)), model, optimizer, torch.nn.functional.mse_loss
+    return TensorDataset(inputs, targets), model, optimizer, torch.nn.functional.mse_loss
 
 
 def save_snapshot(path, model, optimizer, epochs_run):
