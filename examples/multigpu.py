@@ -68,7 +68,7 @@ def main(rank, world_size, port, args):
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {device}, {dist.get_backend()}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
-    # each batch read at once, not sample by sample
+    # batch_size=None: whole batches, read at once
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()

@@ -15,7 +15,7 @@ import torch.distributed.nn  # before any group forms, or the exit may abort
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 class Trainer:
@@ -29,8 +29,8 @@ class Trainer:
         self.args = args
         self.epochs_run = load_snapshot(args.snapshot_path, self.model, optimizer, device)
         # the shuffling generator, which prepare() keeps using
-        self.order = train_data.sampler.sampler.generator
-        # prepare(): DDP around the model, each process given its share of every batch
+        self.order = train_data.sampler.generator
+        # prepare(): DDP around the model, each process every N-th batch
         prepared = accelerator.prepare(self.model, self.optimizer, self.train_data)
         self.model, self.optimizer, self.train_data = prepared
 
@@ -80,9 +80,8 @@ def main():
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # one shuffled order, split between the processes by prepare()
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    # each batch read at once, not sample by sample
-    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    train_data = DataLoader(train_set, sampler=batches, batch_size=None)
+    # sample by sample: with one process, accelerate 1.15's prepare() fails on whole batches
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     try:
         Trainer(model, train_data, optimizer, loss_fn, device, accelerator, args).train()
     except KeyboardInterrupt:

@@ -94,7 +94,7 @@ def main():
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     # each group takes every replica_groups-th sample
     sampler = DistributedSampler(train_set, args.replica_groups, args.replica_group, seed=args.seed)
-    # each batch read at once, not sample by sample
+    # batch_size=None: whole batches, read at once
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     try:

@@ -48,7 +48,7 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
+        self.train_data.sampler.sampler.set_epoch(epoch)  # a new order each epoch, alike every run
         losses = [self._run_batch(source, targets) for source, targets in self.train_data]
         return torch.stack(losses).mean()
 
@@ -83,7 +83,7 @@ def main():
     sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {where}\n")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = DistributedSampler(train_set, seed=args.seed)  # a share: every world_size-th sample
-    # each batch read at once, not sample by sample
+    # batch_size=None: whole batches, read at once
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     try:

@@ -50,7 +50,7 @@ def main(args):
     print(f"training on {device}")
     train_set, model, optimizer, loss_fn = load_train_objs(args)
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    # each batch read at once, not sample by sample
+    # batch_size=None: whole batches, read at once
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_data = DataLoader(train_set, sampler=batches, batch_size=None)
     Trainer(model, train_data, optimizer, loss_fn, device, args).train()

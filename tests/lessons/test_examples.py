@@ -135,8 +135,10 @@ def test_accelerate_launch_configs_take_one_process_steps(runs, tmp_path):
     `accelerate launch --config_file examples/accelerate/one_node.yaml` (2 processes of batch 32), then
     two_nodes.yaml as two local nodes (node1 with --machine_rank 1; 4 processes of batch 16, node0's
     address and port given on the command line): each ends with the single-process run's weights at the
-    global batch of 64, the nodes meeting as the YAML says. Mutation: two_nodes.yaml's num_processes 2 (one
-    a node): the world size is 2, the global batch 32, and the weights differ."""
+    global batch of 64, the nodes meeting as the YAML says; so does torchrun's one process of batch 64 (`make
+    accelerate` on a one-GPU machine). Mutations: two_nodes.yaml's num_processes 2 (one a node): the world
+    size is 2, the global batch 32, and the weights differ; the lesson's DataLoader given whole batches (a
+    BatchSampler as its sampler, batch_size=None): with one process accelerate 1.15's prepare() fails."""
     launch = [VENV / "bin" / "accelerate", "launch", "--config_file"]
     lesson = [EXAMPLES / "multigpu_accelerate.py", EPOCHS, 2, *COMMON]
     configs = EXAMPLES / "accelerate"
@@ -147,6 +149,9 @@ def test_accelerate_launch_configs_take_one_process_steps(runs, tmp_path):
         cwd=tmp_path / "one",
     )
     TrainLog(one.stdout).assert_trained(world_size=2)
+    (tmp_path / "alone").mkdir()
+    cmd = example_cmd("multigpu_accelerate", EPOCHS, 2, *COMMON, "--batch_size", BATCH * NPROC, nproc=1)
+    TrainLog(run(cmd, timeout=300, cwd=tmp_path / "alone").stdout).assert_trained(world_size=1)
     node = [*launch, configs / "two_nodes.yaml", "--main_process_ip", "127.0.0.1"]
     node += ["--main_process_port", free_port(), "--rdzv_conf", "timeout=60"]
     nodes = [[*node, "--machine_rank", rank, *lesson, "--batch_size", BATCH // 2] for rank in (0, 1)]
@@ -154,7 +159,7 @@ def test_accelerate_launch_configs_take_one_process_steps(runs, tmp_path):
     assert codes == (0, 0), outs
     TrainLog(outs[0]).assert_trained(world_size=4)
     expected = load_snapshot(runs["single_gpu"].snapshot)["MODEL_STATE"]
-    for folder in (tmp_path / "one", tmp_path):
+    for folder in (tmp_path / "one", tmp_path / "alone", tmp_path):
         actual = load_snapshot(folder / "multigpu_accelerate_snapshot.pt")["MODEL_STATE"]
         for key, tensor in expected.items():
             torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-6)

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.quick
 
 STEPS = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 ALL = [*STEPS, "multigpu_accelerate", "multigpu_ray", "multigpu_dataparallel", "multigpu_torchft"]
-# Every lesson, comments and docstrings included, reads in five minutes: at most 170 lines, 175 for torchft,
-# which adds its own launcher. The bounds are today's sizes, which only go down.
-MAX_LINES = dict(zip(ALL, [137, 169, 174, 178, 175, 168, 149, 183], strict=True))
+# Every lesson, comments and docstrings included, reads in five minutes: about 170 lines, torchft a few
+# more for its own launcher. The bounds are today's sizes, which only go down.
+MAX_LINES = dict(zip(ALL, [137, 169, 174, 178, 174, 168, 149, 183], strict=True))
 # Changed lines (added + removed) allowed between a step and the one it builds on: nearly all of them are
 # the lesson.
 DIFF_BOUND = {
