@@ -74,11 +74,29 @@ class CausalSelfAttention(nn.Module):
         from its own stream, seeded from the shared one (which so moves alike everywhere), as
         distinct heads do in one process. The kernel: torch's choice (its order, its switches such
         as torch.backends.cuda.enable_cudnn_sdp), or the one --attention names."""
+        if attends_in_float32(q):
+            with torch.autocast("cpu", enabled=False):  # autocast would cast them back
+                return self.attend(q.float(), k.float(), v.float(), dropout).to(q.dtype)
         with sdpa_kernel(self.kernels) if self.kernels else nullcontext():
             if not dropout or self.head_share is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             with own_stream(self.head_share, q.device):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+
+# bf16 attention on the CPU runs in bf16 from this length x head width squared: 1024 tokens at width 32,
+# 256 at 64 (where it overtakes float32 in benchmarks/cpu_attention.py's table)
+CPU_BF16_ATTENTION_FROM = 2**20
+
+
+def attends_in_float32(q):
+    """Whether attention on these queries runs in float32, its inputs and output cast: on the CPU, in fp16
+    always, in bf16 below CPU_BF16_ATTENTION_FROM, where torch's kernel takes longer than float32's with
+    the casts (a Xeon with AMX: 2.7x at the cpu preset's 128 tokens of width 32, 1.1x at 512 of 32,
+    1.8x at 128 of 64). Its softmax is in float32 either way."""
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return False
+    return q.dtype == torch.float16 or q.size(2) * q.size(3) ** 2 < CPU_BF16_ATTENTION_FROM
 
 
 # --attention: auto leaves the kernel to torch; each other choice allows that kernel alone (a call it

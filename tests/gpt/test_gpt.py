@@ -125,6 +125,45 @@ def test_the_attention_kernel_is_torchs_unless_asked_and_named_at_start_up(tmp_p
     assert ran() == "ScaledDotProductFlashAttentionForCpuBackward0", ran()
 
 
+def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monkeypatch):
+    """On the CPU under autocast, attention computes in float32 (its inputs cast, its output cast back to
+    the autocast type) in fp16 always and in bf16 below CPU_BF16_ATTENTION_FROM (length x head width
+    squared), where torch's bf16 kernel is slower (benchmarks/cpu_attention.py); at and above it, in bf16;
+    float32 inputs run as they are. The dtype is read from what the kernel saved for backward. The cast's
+    output agrees with bf16's own within bf16's precision, and its gradients flow back in bf16.
+    Mutations: the cast left out -> bf16 at 16 tokens; autocast left on around it -> bf16 again (autocast
+    casts the inputs back); the test on fp16 left out -> fp16 above the threshold."""
+    model_mod = import_gpt_module("model")
+    cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    attn = model_mod.GPT(cfg).blocks["0"].attn
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, 16, 16, generator=gen)
+
+    def run(dtype):  # the output, its gradient, and the type the kernel computed in
+        q = base.to(dtype, copy=True).requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = attn.attend(q, q, q, 0.0)
+        node = y.grad_fn
+        while not hasattr(node, "_saved_query"):  # back through the cast to the kernel's node
+            node = node.next_functions[0][0]
+        computed = node._saved_query.dtype
+        y.float().square().sum().backward()
+        return y, q.grad, computed
+
+    assert 16 * 16**2 < model_mod.CPU_BF16_ATTENTION_FROM
+    for dtype in (torch.bfloat16, torch.float16):
+        y, grad, computed = run(dtype)
+        assert (y.dtype, grad.dtype, computed) == (dtype, dtype, torch.float32), (dtype, computed)
+    assert run(torch.float32)[2] == torch.float32
+    cast, cast_grad, _ = run(torch.bfloat16)
+    monkeypatch.setattr(model_mod, "CPU_BF16_ATTENTION_FROM", 16 * 16**2)
+    own, own_grad, computed = run(torch.bfloat16)
+    assert computed == torch.bfloat16
+    torch.testing.assert_close(cast.float(), own.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cast_grad.float(), own_grad.float(), atol=5e-2, rtol=2e-2)
+    assert run(torch.float16)[2] == torch.float32
+
+
 def head_gradients(model_mod, x, weight, targets, chunk, scale=1.0):
     """The loss and the gradients of x and the head's weight, through the chunked loss (chunk) or the
     whole logits (None), the loss scaled by `scale` before backward as a gradient scaler does."""
