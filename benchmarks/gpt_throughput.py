@@ -10,8 +10,9 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python benchmarks/gpt_throughput.py --metrics  # TensorBoard and per-process times on vs JSON lines alone
     python benchmarks/gpt_throughput.py --nanogpt --rounds 5  # against nanoGPT's loop (nanogpt_loop.py)
 
---nanogpt: the cpu preset's shape (4 layers, width 128, context 128) trained by train.py and by nanoGPT's
-loop, each on 2 DDP processes of 1 thread, from one folder of nanoGPT's character-level data.
+--nanogpt: the cpu preset's shape (4 layers, width 128, context 128) trained by train.py (in float32, as
+nanoGPT on a CPU, and with --dtype bf16) and by nanoGPT's loop, each on 2 DDP processes of 1 thread, from
+one folder of nanoGPT's character-level data.
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
 benchmarks/gpt_memory.py starts its trainings through run_training() below.
@@ -137,7 +138,8 @@ def plan(args, train_args, parser):
     """{variant: (processes, threads, extra train.py options)} and the variant the others are divided by."""
     if args.nanogpt:  # the trainer's --data (the folder nanoGPT's loop reads too) comes in main
         trainer = ["--model", "cpu", "--batch_size", args.global_batch // 2]
-        return {"nanogpt": (2, 1, []), "trainer": (2, 1, trainer)}, "nanogpt"
+        bf16 = [*trainer, "--dtype", "bf16"]  # autocast on the CPU, which nanoGPT keeps for GPUs
+        return {"nanogpt": (2, 1, []), "trainer": (2, 1, trainer), "trainer_bf16": (2, 1, bf16)}, "nanogpt"
     if args.shards:  # 2 DDP processes either way: the data path is the only difference
         batch = ["--batch_size", args.global_batch // 2]
         return {"in_memory": (2, 1, [*batch, "--in_memory"]), "shards": (2, 1, batch)}, "in_memory"
@@ -221,7 +223,8 @@ def main():
             import nanogpt_loop
 
             nanogpt_loop.prepare(nanogpt_data)
-            variants["trainer"][2].extend(["--data", nanogpt_data])
+            for name in ("trainer", "trainer_bf16"):
+                variants[name][2].extend(["--data", nanogpt_data])
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
             for name in (n for n in order if n not in failed):
@@ -268,13 +271,15 @@ def report(args, train_args, names, baseline, results, failed):
         print(f"  {name:26s} {statistics.mean(values):10.0f} ± {std:.0f}")
     base = statistics.mean(results[baseline])
     ratios = {n: statistics.mean(results[n]) / base for n in names if n != baseline and n not in failed}
-    if args.nanogpt:
+    if args.nanogpt:  # nanoGPT in float32 (its autocast is for GPUs): the trainer so, and in bf16
+        for name, says in (("trainer", "float32 both"), ("trainer_bf16", "goal >= 1.05")):
+            spread = [t / n for t, n in zip(results[name], results["nanogpt"], strict=True)]
+            print(
+                f"  ratio {name}/nanogpt ({says}) {ratios[name]:.3f}; within a round: median "
+                f"{statistics.median(spread):.3f}, {min(spread):.3f}-{max(spread):.3f} "
+                f"over {len(spread)} rounds"
+            )
         ratio = ratios["trainer"]
-        spread = [t / n for t, n in zip(results["trainer"], results["nanogpt"], strict=True)]
-        print(
-            f"  ratio trainer/nanogpt (goal >= 1.05) {ratio:.3f}; within a round: median "
-            f"{statistics.median(spread):.3f}, {min(spread):.3f}-{max(spread):.3f} over {len(spread)} rounds"
-        )
     elif args.shards:
         ratio = ratios["shards"]
         print(f"  ratio shards/in_memory (goal >= 0.98) {ratio:.3f}")
@@ -295,6 +300,8 @@ def report(args, train_args, names, baseline, results, failed):
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         out = {"settings": {**vars(args), "train_args": train_args}, "tokens_per_s": results}
+        if args.nanogpt:
+            out["ratio_bf16"] = ratios["trainer_bf16"]
         out.update(
             {"ratio": ratio}
             if args.strategies is None or args.shards or args.metrics

@@ -85,15 +85,15 @@ class CausalSelfAttention(nn.Module):
 
 
 # bf16 attention on the CPU runs in bf16 from this length x head width squared: 1024 tokens at width 32,
-# 256 at 64 (where it overtakes float32 in benchmarks/cpu_attention.py's table)
+# 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py)
 CPU_BF16_ATTENTION_FROM = 2**20
 
 
 def attends_in_float32(q):
     """Whether attention on these queries runs in float32, its inputs and output cast: on the CPU, in fp16
     always, in bf16 below CPU_BF16_ATTENTION_FROM, where torch's kernel takes longer than float32's with
-    the casts (a Xeon with AMX: 2.7x at the cpu preset's 128 tokens of width 32, 1.1x at 512 of 32,
-    1.8x at 128 of 64). Its softmax is in float32 either way."""
+    the casts (docs/performance.md: 2.9x at the cpu preset's 128 tokens of width 32, on a Xeon with AMX).
+    Its softmax is in float32 either way."""
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return False
     return q.dtype == torch.float16 or q.size(2) * q.size(3) ** 2 < CPU_BF16_ATTENTION_FROM

@@ -70,18 +70,21 @@ def test_the_benchmark_compares_every_strategy_with_ddp(tmp_path, cache):
 
 def test_the_benchmark_compares_the_trainer_with_nanogpts_loop(tmp_path, cache):
     """--nanogpt (make bench-anchors): nanoGPT's loop, benchmarks/nanogpt_loop.py, and train.py on one folder
-    of nanoGPT's character data, the cpu preset's shape, 2 processes each (forked, BENCH_FORKED): both
-    train, at the same global batch (the benchmark checks train.py's), and the ratio of their tokens/s is
-    printed with its rounds and written. Mutation: nanogpt_loop.py's line printed as "iteration N: ..." ->
+    of nanoGPT's character data, the cpu preset's shape, 2 processes each (forked, BENCH_FORKED): nanoGPT
+    and the trainer in float32 and in bf16 train, at the same global batch (the benchmark checks
+    train.py's), and each ratio of the trainer's tokens/s to nanoGPT's is printed with its rounds and
+    written. Mutation: nanogpt_loop.py's line printed as "iteration N: ..." ->
     its run counts as failed and the benchmark exits 1."""
     cmd = [PYTHON, BENCH_GPT, "--nanogpt", "--rounds", 1, "--steps", 4, "--log_every", 2, *BENCH_FORKED]
     cmd += ["--global_batch", 4, "--cache_dir", cache, "--out", tmp_path / "n.json"]
     proc = run(cmd, timeout=600)
     report = json.loads((tmp_path / "n.json").read_text())
-    assert list(report["tokens_per_s"]) == ["nanogpt", "trainer"], report
+    assert list(report["tokens_per_s"]) == ["nanogpt", "trainer", "trainer_bf16"], report
     assert all(len(v) == 1 and v[0] > 0 for v in report["tokens_per_s"].values()), report
-    ratio = float(re.search(r"ratio trainer/nanogpt \(goal >= 1.05\) ([0-9.]+); ", proc.stdout).group(1))
+    ratio = float(re.search(r"ratio trainer/nanogpt \(float32 both\) ([0-9.]+); ", proc.stdout).group(1))
     assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and "over 1 rounds" in proc.stdout
+    bf16 = float(re.search(r"ratio trainer_bf16/nanogpt \(goal >= 1.05\) ([0-9.]+); ", proc.stdout).group(1))
+    assert report["ratio_bf16"] == pytest.approx(bf16, abs=1e-3)
 
 
 def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):

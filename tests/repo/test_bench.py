@@ -182,3 +182,17 @@ def test_the_loss_in_chunks_never_holds_the_float32_logits():
         whole, chunks = (float(v.replace(",", "")) for v in (whole, chunks))
         assert chunks < logits_mib < 2 * logits_mib < whole, (dtype, chunks, whole)
         assert abs(float(whole_loss) - float(chunks_loss)) < 1e-4, (dtype, whole_loss, chunks_loss)
+
+
+def test_cpu_attention_times_each_type_and_names_the_gpts_choice(capsys):
+    """benchmarks/cpu_attention.py in process, at a short and a long sequence of width 32: a row for each,
+    every kind timed, and the GPT's choice as model.attends_in_float32 makes it: the float32 cast for fp16
+    always, for bf16 below 1024 tokens of width 32. Mutation: the row's choice read for fp16 from bf16 ->
+    "own" for fp16 at 1024."""
+    import cpu_attention  # benchmarks/cpu_attention.py
+
+    rows = cpu_attention.main(["--lengths", "8", "1024", "--widths", "32", "--rounds", "1", "--tokens", "64"])
+    assert [(r["width"], r["length"]) for r in rows] == [(32, 8), (32, 1024)]
+    assert all(set(r["ms"]) == set(cpu_attention.KINDS) and min(r["ms"].values()) > 0 for r in rows), rows
+    lines = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [line[-1].split() for line in lines] == [["cast", "cast"], ["own", "cast"]], lines
