@@ -73,7 +73,8 @@ class CausalSelfAttention(nn.Module):
         would draw the same attention masks: heads j and j + heads/N alike. Here every share draws
         from its own stream, seeded from the shared one (which so moves alike everywhere), as
         distinct heads do in one process. The kernel: torch's choice (its order, its switches such
-        as torch.backends.cuda.enable_cudnn_sdp), or the one --attention names."""
+        as torch.backends.cuda.enable_cudnn_sdp), or the one --attention names. On the CPU, bf16 and fp16
+        inputs may run in float32 (attends_in_float32)."""
         if attends_in_float32(q):
             with torch.autocast("cpu", enabled=False):  # autocast would cast them back
                 return self.attend(q.float(), k.float(), v.float(), dropout).to(q.dtype)
