@@ -123,16 +123,19 @@ def attention_kernel(cfg, device, dtype, dropout, choice="auto", heads=None, bat
     the training's shape (batch, this process's heads) and type, as attend() does: each fused
     kernel has a backward of its own, named after it (for example
     ScaledDotProductCudnnAttentionBackward0 -> cudnn_attention); math is made of ordinary
-    operations."""
+    operations. "... in float32" where attends_in_float32 casts the inputs."""
     shape = (batch, heads or cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
     # its random numbers (and dropout's) from a copy of the
     # random state: training's streams stay as they were
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        cast = attends_in_float32(q)
+        x = q.float() if cast else q
         with sdpa_kernel(ATTENTION[choice]) if ATTENTION[choice] else nullcontext():
-            y = F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+            y = F.scaled_dot_product_attention(x, x, x, dropout_p=dropout, is_causal=True)
     fused = re.fullmatch(r"ScaledDotProduct(\w+)Backward\d+", type(y.grad_fn).__name__)
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", fused.group(1)).lower() if fused else "math"
+    name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", fused.group(1)).lower() if fused else "math"
+    return f"{name} in float32" if cast else name
 
 
 @contextmanager

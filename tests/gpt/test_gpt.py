@@ -130,9 +130,10 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     the autocast type) in fp16 always and in bf16 below CPU_BF16_ATTENTION_FROM (length x head width
     squared), where torch's bf16 kernel is slower (benchmarks/cpu_attention.py); at and above it, in bf16;
     float32 inputs run as they are. The dtype is read from what the kernel saved for backward. The cast's
-    output agrees with bf16's own within bf16's precision, and its gradients flow back in bf16.
-    Mutations: the cast left out -> bf16 at 16 tokens; autocast left on around it -> bf16 again (autocast
-    casts the inputs back); the test on fp16 left out -> fp16 above the threshold."""
+    output agrees with bf16's own within bf16's precision, and its gradients flow back in bf16. The start-up
+    line's kernel name (attention_kernel) says "in float32" where the cast runs. Mutations: the cast left
+    out -> bf16 at 16 tokens; autocast left on around it -> bf16 again (autocast casts the inputs back);
+    the test on fp16 left out -> fp16 above the threshold; the probe without the cast -> no "in float32"."""
     model_mod = import_gpt_module("model")
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
     attn = model_mod.GPT(cfg).blocks["0"].attn
@@ -155,6 +156,9 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
         y, grad, computed = run(dtype)
         assert (y.dtype, grad.dtype, computed) == (dtype, dtype, torch.float32), (dtype, computed)
     assert run(torch.float32)[2] == torch.float32
+    cpu = torch.device("cpu")  # the start-up line's name: the kernel, and the cast where there is one
+    assert model_mod.attention_kernel(cfg, cpu, torch.bfloat16, 0.0) == "flash_attention_for_cpu in float32"
+    assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.0) == "flash_attention_for_cpu"
     cast, cast_grad, _ = run(torch.bfloat16)
     monkeypatch.setattr(model_mod, "CPU_BF16_ATTENTION_FROM", 16 * 16**2)
     own, own_grad, computed = run(torch.bfloat16)
