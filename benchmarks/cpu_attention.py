@@ -52,7 +52,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if min(args.lengths + args.widths + [args.rounds, args.threads]) <= 0:
         p.error("--lengths, --widths, --rounds and --threads must be positive")
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return table(args)
+    finally:
+        torch.set_num_threads(threads)  # as it was, for a caller in the same process
+
+
+def table(args):
+    """Times each kind at each width and length, printing a row each: the rows."""
     generator = torch.Generator().manual_seed(0)
     print(f"{args.threads} thread(s), {HEADS} heads, {args.tokens} tokens a call, median of {args.rounds}")
     print("width length |  bf16  cast  fp16  cast (ms) | bf16/cast fp16/cast | the GPT's: bf16 fp16")

@@ -131,9 +131,11 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     squared), where torch's bf16 kernel is slower (benchmarks/cpu_attention.py); at and above it, in bf16;
     float32 inputs run as they are. The dtype is read from what the kernel saved for backward. The cast's
     output agrees with bf16's own within bf16's precision, and its gradients flow back in bf16. The start-up
-    line's kernel name (attention_kernel) says "in float32" where the cast runs. Mutations: the cast left
-    out -> bf16 at 16 tokens; autocast left on around it -> bf16 again (autocast casts the inputs back);
-    the test on fp16 left out -> fp16 above the threshold; the probe without the cast -> no "in float32"."""
+    line's kernel name (attention_kernel) says "in float32" where the cast runs. Only on the CPU; dropout
+    passes through. Mutations: the cast left out -> bf16 at 16 tokens; autocast left on around it -> bf16
+    again (autocast casts the inputs back); the test on fp16 left out -> fp16 above the threshold; the
+    probe without the cast -> no "in float32"; length and width swapped in the rule -> 2048 x 16 not
+    cast; dropout not passed on -> the outputs equal; the CPU test left out -> a meta tensor cast."""
     model_mod = import_gpt_module("model")
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
     attn = model_mod.GPT(cfg).blocks["0"].attn
@@ -155,7 +157,16 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     for dtype in (torch.bfloat16, torch.float16):
         y, grad, computed = run(dtype)
         assert (y.dtype, grad.dtype, computed) == (dtype, dtype, torch.float32), (dtype, computed)
-    assert run(torch.float32)[2] == torch.float32
+    y = run(torch.float32)[0]  # no cast: the kernel's own node is the output's
+    assert type(y.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0", y.grad_fn
+    # the rule reads length x width squared (at 2048 x 16 below it, not at 16 x 2048), on the CPU only
+    bf16 = torch.bfloat16
+    assert model_mod.attends_in_float32(torch.empty(0, 0, 2048, 16, dtype=bf16))
+    assert not model_mod.attends_in_float32(torch.empty(0, 0, 1024, 32, dtype=bf16))
+    assert not model_mod.attends_in_float32(torch.empty(0, 0, 16, 16, dtype=torch.float16, device="meta"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=bf16):  # dropout reaches the cast's kernel
+        q = base.to(bf16)
+        assert not torch.equal(attn.attend(q, q, q, 0.5), attn.attend(q, q, q, 0.0))
     cpu = torch.device("cpu")  # the start-up line's name: the kernel, and the cast where there is one
     assert model_mod.attention_kernel(cfg, cpu, torch.bfloat16, 0.0) == "flash_attention_for_cpu in float32"
     assert model_mod.attention_kernel(cfg, cpu, torch.float32, 0.0) == "flash_attention_for_cpu"

@@ -187,11 +187,14 @@ def test_the_loss_in_chunks_never_holds_the_float32_logits():
 def test_cpu_attention_times_each_type_and_names_the_gpts_choice(capsys):
     """benchmarks/cpu_attention.py in process, at a short and a long sequence of width 32: a row for each,
     every kind timed, and the GPT's choice as model.attends_in_float32 makes it: the float32 cast for fp16
-    always, for bf16 below 1024 tokens of width 32. Mutation: the row's choice read for fp16 from bf16 ->
-    "own" for fp16 at 1024."""
+    always, for bf16 below 1024 tokens of width 32; torch's thread count as it was. Mutation: the row's
+    choice read for fp16 from bf16 -> "own" for fp16 at 1024."""
     import cpu_attention  # benchmarks/cpu_attention.py
+    import torch
 
+    threads = torch.get_num_threads()
     rows = cpu_attention.main(["--lengths", "8", "1024", "--widths", "32", "--rounds", "1", "--tokens", "64"])
+    assert torch.get_num_threads() == threads  # its 1 thread left behind for the tests after it
     assert [(r["width"], r["length"]) for r in rows] == [(32, 8), (32, 1024)]
     assert all(set(r["ms"]) == set(cpu_attention.KINDS) and min(r["ms"].values()) > 0 for r in rows), rows
     lines = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
