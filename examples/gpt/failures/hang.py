@@ -32,7 +32,6 @@ environment win.
 """
 
 import atexit
-import contextlib
 import faulthandler
 import os
 import pickle
@@ -45,6 +44,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+# The first flight-recorder dump imports torch._dynamo (its symboliser): 1.3 s of CPU here, and
+# the import registers operators with torch's dispatcher. Done now, in the importing thread, so
+# that a dump on a timeout is quick, and not in a second thread while this one runs operators
+# (a thread did it before, the suspect of a heap corruption seen once in a tp run).
+import torch._dynamo
 import torch.distributed as dist
 
 BUFFER = "2000"  # flight-recorder entries kept per process (a ring: the newest ones)
@@ -134,20 +139,11 @@ def arm(folder, rank, world, store=None, poll=POLL):
         # when Python finalises is ended there, and the process aborts ("terminate called without
         # an active exception")
         atexit.register(_disarm, stop, watcher, poll)
-    # torch's first flight-recorder dump loads its symboliser (it imports torch._dynamo: 1.3 s of
-    # CPU, 7 s on a loaded 2-core machine): done now, beside the watcher, so that a dump on a
-    # timeout is quick
-    threading.Thread(target=_warm_up, name="why-hung warm-up", daemon=True).start()
 
 
 def _disarm(stop, watcher, poll):
     stop.set()
     watcher.join(timeout=poll + 5)  # one look at the store at most: a reply, or an error from a closed one
-
-
-def _warm_up():
-    with contextlib.suppress(Exception):  # the group may be gone already: then nothing is needed
-        _flight_record()
 
 
 def _watch(store, folder, rank, world, poll, stop, nccl_dump, since):
