@@ -85,19 +85,23 @@ class CausalSelfAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
-# bf16 attention on the CPU runs in bf16 from this length x head width squared: 1024 tokens at width 32,
-# 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py)
+# bf16 attention on a CPU with AMX runs in bf16 from this length x head width squared: 1024 tokens at
+# width 32, 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py). Without AMX torch
+# emulates bf16: 3.3-6.1x slower than float32 at every shape measured (AVX2), so it never does.
 CPU_BF16_ATTENTION_FROM = 2**20
+CPU_HAS_AMX = torch.cpu._is_amx_tile_supported()
 
 
 def attends_in_float32(q):
     """Whether attention on these queries runs in float32, its inputs and output cast: on the CPU, in fp16
-    always, in bf16 below CPU_BF16_ATTENTION_FROM, where torch's kernel takes longer than float32's with
-    the casts (docs/performance.md: 2.9x at the cpu preset's 128 tokens of width 32, on a Xeon with AMX).
-    Its softmax is in float32 either way."""
+    always, in bf16 below CPU_BF16_ATTENTION_FROM and always without AMX, where torch's kernel takes longer
+    than float32's with the casts (docs/performance.md: 2.9x at the cpu preset's 128 tokens of width 32, on
+    a Xeon with AMX). Its softmax is in float32 either way."""
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return False
-    return q.dtype == torch.float16 or q.size(2) * q.size(3) ** 2 < CPU_BF16_ATTENTION_FROM
+    if q.dtype == torch.float16 or not CPU_HAS_AMX:
+        return True
+    return q.size(2) * q.size(3) ** 2 < CPU_BF16_ATTENTION_FROM
 
 
 # --attention: auto leaves the kernel to torch; each other choice allows that kernel alone (a call it

@@ -128,15 +128,18 @@ def test_the_attention_kernel_is_torchs_unless_asked_and_named_at_start_up(tmp_p
 def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monkeypatch):
     """On the CPU under autocast, attention computes in float32 (its inputs cast, its output cast back to
     the autocast type) in fp16 always and in bf16 below CPU_BF16_ATTENTION_FROM (length x head width
-    squared), where torch's bf16 kernel is slower (benchmarks/cpu_attention.py); at and above it, in bf16;
-    float32 inputs run as they are. The dtype is read from what the kernel saved for backward. The cast's
-    output agrees with bf16's own within bf16's precision, and its gradients flow back in bf16. The start-up
-    line's kernel name (attention_kernel) says "in float32" where the cast runs. Only on the CPU; dropout
-    passes through. Mutations: the cast left out -> bf16 at 16 tokens; autocast left on around it -> bf16
+    squared) or without AMX, where torch's bf16 kernel is slower (benchmarks/cpu_attention.py); at and
+    above it with AMX, in bf16; float32 inputs run as they are. Both CPUs are run here, AMX set either
+    way. The dtype is read from what the kernel saved for backward. The cast's output agrees with bf16's
+    own within bf16's precision, and its gradients flow back in bf16. The start-up line's kernel name
+    (attention_kernel) says "in float32" where the cast runs. Only on the CPU; dropout passes through.
+    Mutations: the cast left out -> bf16 at 16 tokens; autocast left on around it -> bf16
     again (autocast casts the inputs back); the test on fp16 left out -> fp16 above the threshold; the
     probe without the cast -> no "in float32"; length and width swapped in the rule -> 2048 x 16 not
-    cast; dropout not passed on -> the outputs equal; the CPU test left out -> a meta tensor cast."""
+    cast; dropout not passed on -> the outputs equal; the CPU test left out -> a meta tensor cast; AMX
+    not read -> bf16 at 2048 x 64 without it."""
     model_mod = import_gpt_module("model")
+    monkeypatch.setattr(model_mod, "CPU_HAS_AMX", True)
     cfg = model_mod.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
     attn = model_mod.GPT(cfg).blocks["0"].attn
     gen = torch.Generator().manual_seed(0)
@@ -164,6 +167,9 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     assert model_mod.attends_in_float32(torch.empty(0, 0, 2048, 16, dtype=bf16))
     assert not model_mod.attends_in_float32(torch.empty(0, 0, 1024, 32, dtype=bf16))
     assert not model_mod.attends_in_float32(torch.empty(0, 0, 16, 16, dtype=torch.float16, device="meta"))
+    with monkeypatch.context() as without:
+        without.setattr(model_mod, "CPU_HAS_AMX", False)
+        assert model_mod.attends_in_float32(torch.empty(0, 0, 2048, 64, dtype=bf16))
     with torch.no_grad(), torch.autocast("cpu", dtype=bf16):  # dropout reaches the cast's kernel
         q = base.to(bf16)
         assert not torch.equal(attn.attend(q, q, q, 0.5), attn.attend(q, q, q, 0.0))

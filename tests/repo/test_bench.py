@@ -184,13 +184,15 @@ def test_the_loss_in_chunks_never_holds_the_float32_logits():
         assert abs(float(whole_loss) - float(chunks_loss)) < 1e-4, (dtype, whole_loss, chunks_loss)
 
 
-def test_cpu_attention_times_each_type_and_names_the_gpts_choice(capsys):
+def test_cpu_attention_times_each_type_and_names_the_gpts_choice(capsys, monkeypatch):
     """benchmarks/cpu_attention.py in process, at a short and a long sequence of width 32: a row for each,
-    every kind timed, and the GPT's choice as model.attends_in_float32 makes it: the float32 cast for fp16
-    always, for bf16 below 1024 tokens of width 32; torch's thread count as it was. Mutation: the row's
-    choice read for fp16 from bf16 -> "own" for fp16 at 1024."""
+    every kind timed, and the GPT's choice as model.attends_in_float32 makes it on a CPU with AMX: the
+    float32 cast for fp16 always, for bf16 below 1024 tokens of width 32; torch's thread count as it was.
+    Mutation: the row's choice read for fp16 from bf16 -> "own" for fp16 at 1024."""
     import cpu_attention  # benchmarks/cpu_attention.py
     import torch
+
+    monkeypatch.setitem(cpu_attention.attends_in_float32.__globals__, "CPU_HAS_AMX", True)
 
     threads = torch.get_num_threads()
     rows = cpu_attention.main(["--lengths", "8", "1024", "--widths", "32", "--rounds", "1", "--tokens", "64"])
