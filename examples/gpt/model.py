@@ -87,7 +87,7 @@ class CausalSelfAttention(nn.Module):
 
 # bf16 attention on a CPU with AMX runs in bf16 from this length x head width squared: 1024 tokens at
 # width 32, 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py). Without AMX torch
-# emulates bf16: 3.3-6.1x slower than float32 at every shape measured (AVX2), so it never does.
+# emulates bf16: 3.3-6.1x slower than float32 at every shape measured (AVX2), so there it always casts.
 CPU_BF16_ATTENTION_FROM = 2**20
 CPU_HAS_AMX = torch.cpu._is_amx_tile_supported()
 
