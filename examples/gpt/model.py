@@ -104,6 +104,15 @@ def attends_in_float32(q):
     return q.size(2) * q.size(3) ** 2 < CPU_BF16_ATTENTION_FROM
 
 
+def cpu_emulates(dtype):
+    """Whether this CPU multiplies dtype without hardware for it, torch converting in its own code: bf16
+    without AMX or AVX-512 BF16, fp16 without AVX-512 (so without AVX-512 FP16 and AMX-FP16). On an
+    AVX2 EPYC a bf16 matmul took 32 times float32's, a training step of the cpu preset 10 times."""
+    if dtype == torch.bfloat16:
+        return not (CPU_HAS_AMX or torch.cpu._is_avx512_bf16_supported())
+    return dtype == torch.float16 and not torch.cpu._is_avx512_supported()
+
+
 # --attention: auto leaves the kernel to torch; each other choice allows that kernel alone (a call it
 # cannot take fails: "No available kernel")
 ATTENTION = {

@@ -185,6 +185,23 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     assert run(torch.float16)[2] == torch.float32
 
 
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("avx512_bf16", [False, True])
+@pytest.mark.parametrize("avx512", [False, True])
+def test_a_cpu_without_16_bit_hardware_is_said_to_emulate_it(monkeypatch, amx, avx512_bf16, avx512):
+    """cpu_emulates, which the start-up line reads (test_gpt_compile.py checks the line): bf16 in hardware
+    with AMX or AVX-512 BF16, fp16 with AVX-512 (where AVX-512 FP16 and AMX-FP16 live); float32 always.
+    Every CPU these three answers describe. Mutations: AVX-512 BF16 not read -> bf16 emulated with it;
+    fp16 said emulated everywhere -> fails with AVX-512; float32 said emulated -> fails."""
+    model_mod = import_gpt_module("model")
+    monkeypatch.setattr(model_mod, "CPU_HAS_AMX", amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    assert model_mod.cpu_emulates(torch.bfloat16) == (not (amx or avx512_bf16))
+    assert model_mod.cpu_emulates(torch.float16) == (not avx512)
+    assert not model_mod.cpu_emulates(torch.float32)
+
+
 def head_gradients(model_mod, x, weight, targets, chunk, scale=1.0):
     """The loss and the gradients of x and the head's weight, through the chunked loss (chunk) or the
     whole logits (None), the loss scaled by `scale` before backward as a gradient scaler does."""

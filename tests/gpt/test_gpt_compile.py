@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from gpt_helpers import gap, max_diff, moved, saved, train
 from helpers import import_gpt_module
 
@@ -37,6 +38,9 @@ DROPOUT_RATIO = (0.9, 1.1)
 # frame dynamo compiles, "torchdynamo start tracing forward /path/model.py:98"
 GRAPH_BREAK_RE = re.compile(r"\[__graph_breaks\] Graph break")
 TRACED_RE = re.compile(r"torchdynamo start tracing (\w+) (\S+):(\d+)$", re.M)
+OPENING_RE = re.compile(
+    r"process\(es\) on cpu, (\w+)( \(emulated by this CPU: float32 is faster\))?, attention"
+)
 
 
 @pytest.mark.parametrize("layout", CASES)
@@ -57,6 +61,12 @@ def test_each_block_compiles_without_a_graph_break_and_trains_as_eager(tmp_path,
     block = import_gpt_module("model").Block.forward.__code__
     traced = {(name, Path(path).name, int(line)) for name, path, line in TRACED_RE.findall(proc.stdout)}
     assert traced == {("forward", "model.py", block.co_firstlineno)}, traced
+    # the start-up line names the type, and says where this CPU emulates it (model.cpu_emulates)
+    asked = options[options.index("--dtype") + 1] if "--dtype" in options else "fp32"
+    said = OPENING_RE.search(proc.stdout)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[asked]
+    assert said.group(1) == str(dtype).removeprefix("torch."), said.group(0)
+    assert bool(said.group(2)) == import_gpt_module("model").cpu_emulates(dtype), said.group(0)
     compiled, eager = saved(tmp_path)["model"], saved(tmp_path / "eager")["model"]
     assert compiled.keys() == eager.keys()  # a snapshot loads across compiled and eager runs
     # the compiled kernels add in another order: float rounding, 5e-7 to 1e-6 measured after 5 steps; in

@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from model import attention_kernel
+from model import attention_kernel, cpu_emulates
 from processes import all_ranks
 
 # The JSON keys written as TensorBoard scalars, and their tags.
@@ -154,6 +154,8 @@ def opening(t):
     kernel = attention_kernel(
         t.raw.cfg, t.device, t.dtype, t.raw.cfg.dropout, a.attention, heads, a.batch_size
     )
+    if t.device.type == "cpu" and cpu_emulates(t.dtype):
+        dtype += " (emulated by this CPU: float32 is faster)"
     return (
         f"model {a.model}: {params:.2f}M parameters, vocabulary {t.corpus.vocab_size}, {tokens}, "
         f"{len(t.train_data)} training tokens | {t.world} process(es) on {t.device.type}, "
