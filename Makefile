@@ -329,7 +329,7 @@ LOADED = $(if $(LOAD),$(PY) harness/busy.py $(LOAD) --)
 JOBS ?= 2
 # whole files to each worker (each test of the few costs.py spreads), the costliest first (tests/costs.py)
 PYTEST = $(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
-test: $(ENV) ## run the test suite (24 to 32 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
+test: $(ENV) ## run the test suite (24 to 45 min on 2 CPU cores; see test-quick; LOAD=2: beside 2 busy)
 	$(LOADED) $(PYTEST) $(TEST_ARGS)
 
 # the tiers, by marker (pyproject.toml): CI runs everything
