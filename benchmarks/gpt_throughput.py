@@ -11,8 +11,8 @@ global batch, interleaved over rounds in rotating order. Prints tokens/s of each
     python benchmarks/gpt_throughput.py --nanogpt --rounds 5  # against nanoGPT's loop (nanogpt_loop.py)
 
 --nanogpt: the cpu preset's shape (4 layers, width 128, context 128) trained by train.py (in float32, as
-nanoGPT on a CPU, and with --dtype bf16) and by nanoGPT's loop, each on 2 DDP processes of 1 thread, from
-one folder of nanoGPT's character-level data.
+nanoGPT on a CPU, and with --dtype bf16 where the CPU has it in hardware) and by nanoGPT's loop, each on 2
+DDP processes of 1 thread, from one folder of nanoGPT's character-level data.
 The strategies run at the same global batch: a strategy that splits the model rather than the data gets a
 larger batch per process (the layout's dp says how many data-parallel shares there are).
 benchmarks/gpt_memory.py starts its trainings through run_training() below.
@@ -43,7 +43,7 @@ VARIANTS = {
     "ddp_2_processes_1_thread": (2, 1),
 }
 # --nanogpt on a CPU without bf16 hardware (model.cpu_emulates): the trainer's bf16 run is left out
-BF16_EMULATED = "this CPU emulates bf16 (no AMX nor AVX-512 BF16), 10 times slower than float32 there"
+BF16_EMULATED = "this CPU emulates bf16 (neither AMX nor AVX-512 BF16): 10x float32's step on an AVX2 EPYC"
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
 # an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message (in
 # torchrun's closing summary, the message of the trainer's failures.failure.Failed), a C++ exception's

@@ -86,8 +86,8 @@ class CausalSelfAttention(nn.Module):
 
 
 # bf16 attention on a CPU with AMX runs in bf16 from this length x head width squared: 1024 tokens at
-# width 32, 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py). Without AMX torch
-# emulates bf16: 3.3-6.1x slower than float32 at every shape measured (AVX2), so there it always casts.
+# width 32, 256 at 64, where it overtakes float32 (benchmarks/cpu_attention.py). Without AMX its
+# bf16 kernel took 3.3-6.1x float32's time at every shape measured (AVX2): there it always casts.
 CPU_BF16_ATTENTION_FROM = 2**20
 CPU_HAS_AMX = torch.cpu._is_amx_tile_supported()
 
@@ -105,12 +105,16 @@ def attends_in_float32(q):
 
 
 def cpu_emulates(dtype):
-    """Whether this CPU multiplies dtype without hardware for it, torch converting in its own code: bf16
-    without AMX or AVX-512 BF16, fp16 without AVX-512 (so without AVX-512 FP16 and AMX-FP16). On an
-    AVX2 EPYC a bf16 matmul took 32 times float32's, a training step of the cpu preset 10 times."""
+    """Whether this x86 CPU multiplies dtype in software, lacking the instructions torch's 16-bit
+    matmuls need (its own test, mkldnn_check_low_precision, reads them too): bf16 without AMX,
+    AVX-512 BF16 or AVX-NE-CONVERT; fp16 without AMX-FP16, AVX-512 FP16 or AVX-NE-CONVERT. Other
+    CPUs are not judged. On an AVX2 EPYC a bf16 matmul took 32 times float32's, a step 10 times."""
+    caps = torch.cpu.get_capabilities()
+    if caps.get("architecture") != "x86_64" or caps.get("avx_ne_convert"):
+        return False
     if dtype == torch.bfloat16:
-        return not (CPU_HAS_AMX or torch.cpu._is_avx512_bf16_supported())
-    return dtype == torch.float16 and not torch.cpu._is_avx512_supported()
+        return not (CPU_HAS_AMX or caps.get("avx512_bf16"))
+    return dtype == torch.float16 and not (caps.get("amx_fp16") or caps.get("avx512_fp16"))
 
 
 # --attention: auto leaves the kernel to torch; each other choice allows that kernel alone (a call it

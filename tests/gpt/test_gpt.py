@@ -5,6 +5,7 @@ test_gpt_data.py's, refusals test_gpt_checks.py's, the benchmark test_gpt_throug
 shapes: the file took 298 s on 2 cores at load average 1 to 4 before those moved out."""
 
 import argparse
+import itertools
 import json
 import pickle
 import random
@@ -185,21 +186,26 @@ def test_cpu_attention_under_autocast_runs_in_float32_where_that_is_faster(monke
     assert run(torch.float16)[2] == torch.float32
 
 
-@pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("avx512_bf16", [False, True])
-@pytest.mark.parametrize("avx512", [False, True])
-def test_a_cpu_without_16_bit_hardware_is_said_to_emulate_it(monkeypatch, amx, avx512_bf16, avx512):
-    """cpu_emulates, which the start-up line reads (test_gpt_compile.py checks the line): bf16 in hardware
-    with AMX or AVX-512 BF16, fp16 with AVX-512 (where AVX-512 FP16 and AMX-FP16 live); float32 always.
-    Every CPU these three answers describe. Mutations: AVX-512 BF16 not read -> bf16 emulated with it;
-    fp16 said emulated everywhere -> fails with AVX-512; float32 said emulated -> fails."""
+def test_a_cpu_without_16_bit_hardware_is_said_to_emulate_it(monkeypatch):
+    """cpu_emulates, which the start-up line reads (test_gpt_compile.py checks the line), over every answer
+    of the instructions it reads (torch.cpu.get_capabilities) on x86: bf16 in hardware with AMX, AVX-512
+    BF16 or AVX-NE-CONVERT, fp16 with AMX-FP16, AVX-512 FP16 or AVX-NE-CONVERT; float32 always; a CPU of
+    another architecture is not judged. Mutations: AVX-512 BF16 not read; fp16 read from AVX-512 alone
+    (Skylake to Zen 5 lack FP16); AVX-NE-CONVERT not read; float32 said emulated; ARM judged: each fails."""
     model_mod = import_gpt_module("model")
-    monkeypatch.setattr(model_mod, "CPU_HAS_AMX", amx)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
-    assert model_mod.cpu_emulates(torch.bfloat16) == (not (amx or avx512_bf16))
-    assert model_mod.cpu_emulates(torch.float16) == (not avx512)
-    assert not model_mod.cpu_emulates(torch.float32)
+    flags = ["amx_tile", "avx512_bf16", "amx_fp16", "avx512_fp16", "avx_ne_convert"]
+    for values in itertools.product([False, True], repeat=len(flags)):
+        caps = {"architecture": "x86_64", "avx512_f": True, **dict(zip(flags, values, strict=True))}
+        monkeypatch.setattr(model_mod, "CPU_HAS_AMX", caps["amx_tile"])
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
+        bf16 = caps["amx_tile"] or caps["avx512_bf16"] or caps["avx_ne_convert"]
+        fp16 = caps["amx_fp16"] or caps["avx512_fp16"] or caps["avx_ne_convert"]
+        assert model_mod.cpu_emulates(torch.bfloat16) == (not bf16), caps
+        assert model_mod.cpu_emulates(torch.float16) == (not fp16), caps
+        assert not model_mod.cpu_emulates(torch.float32), caps
+    monkeypatch.setattr(model_mod, "CPU_HAS_AMX", False)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"architecture": "aarch64"})
+    assert not model_mod.cpu_emulates(torch.bfloat16) and not model_mod.cpu_emulates(torch.float16)
 
 
 def head_gradients(model_mod, x, weight, targets, chunk, scale=1.0):

@@ -64,6 +64,7 @@ def test_each_block_compiles_without_a_graph_break_and_trains_as_eager(tmp_path,
     # the start-up line names the type, and says where this CPU emulates it (model.cpu_emulates)
     asked = options[options.index("--dtype") + 1] if "--dtype" in options else "fp32"
     said = OPENING_RE.search(proc.stdout)
+    assert said, proc.stdout[-4000:]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[asked]
     assert said.group(1) == str(dtype).removeprefix("torch."), said.group(0)
     assert bool(said.group(2)) == import_gpt_module("model").cpu_emulates(dtype), said.group(0)

@@ -2,8 +2,11 @@
 --parallel strategy against ddp at the same global batch, nanoGPT's loop, an unknown strategy refused),
 and the table the GPU check makes of its runs. Tiny model, a few steps each."""
 
+import argparse
 import json
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -88,12 +91,43 @@ def test_the_benchmark_compares_the_trainer_with_nanogpts_loop(tmp_path, cache):
     ratio = float(re.search(r"ratio trainer/nanogpt \(float32 both\) ([0-9.]+); ", proc.stdout).group(1))
     assert report["ratio"] == pytest.approx(ratio, abs=1e-3) and "over 1 rounds" in proc.stdout
     if emulated:
-        assert proc.stdout.startswith("trainer_bf16 left out: this CPU emulates bf16 (no AMX"), proc.stdout
+        assert proc.stdout.startswith("trainer_bf16 left out: this CPU emulates bf16 (neither"), proc.stdout
         assert "ratio trainer_bf16/nanogpt: not run, this CPU emulates bf16" in proc.stdout
         assert report["ratio_bf16"] is None
         return
     bf16 = float(re.search(r"ratio trainer_bf16/nanogpt \(goal >= 1.05\) ([0-9.]+); ", proc.stdout).group(1))
     assert report["ratio_bf16"] == pytest.approx(bf16, abs=1e-3)
+
+
+def test_the_nanogpt_comparison_leaves_bf16_out_only_where_the_cpu_emulates_it(tmp_path, monkeypatch, capsys):
+    """--nanogpt's plan and report in process, on both kinds of CPU (model.cpu_emulates answering either
+    way), which the run above meets one of: with bf16 in hardware the trainer's bf16 run is planned and its
+    ratio printed and written; where bf16 is emulated that run is left out, a line says why at the start
+    and among the ratios, and ratio_bf16 is null. Mutations: the test of cpu_emulates dropped -> a bf16
+    run planned where emulated; the report without its not-run line -> fails here."""
+    import gpt_throughput as bench  # benchmarks/gpt_throughput.py
+
+    args = argparse.Namespace(nanogpt=True, shards=False, metrics=False, strategies=None, global_batch=32)
+    args.__dict__.update(rounds=1, steps=40, out=str(tmp_path / "n.json"))
+    for emulated in (False, True):
+        model = types.SimpleNamespace(cpu_emulates=lambda dtype, e=emulated: e and dtype == torch.bfloat16)
+        monkeypatch.setitem(sys.modules, "model", model)  # what plan() imports it from
+        variants, baseline = bench.plan(args, [], None)
+        names = list(variants)
+        results = {name: [100.0 * (1 + i / 10)] for i, name in enumerate(names)}
+        bench.report(args, [], names, baseline, results, {})
+        out, report = capsys.readouterr().out, json.loads((tmp_path / "n.json").read_text())
+        assert "ratio trainer/nanogpt (float32 both) 1.100; " in out, out
+        if emulated:
+            assert names == ["nanogpt", "trainer"] and report["ratio_bf16"] is None, names
+            assert out.startswith(f"trainer_bf16 left out: {bench.BF16_EMULATED}\n"), out
+            assert f"  ratio trainer_bf16/nanogpt: not run, {bench.BF16_EMULATED}\n" in out, out
+        else:
+            assert (
+                names == ["nanogpt", "trainer", "trainer_bf16"] and variants["trainer_bf16"][2][-1] == "bf16"
+            )
+            assert "ratio trainer_bf16/nanogpt (goal >= 1.05) 1.200; " in out, out
+            assert report["ratio_bf16"] == pytest.approx(1.2)
 
 
 def test_the_benchmark_refuses_an_unknown_strategy(tmp_path):
