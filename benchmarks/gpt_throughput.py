@@ -43,7 +43,9 @@ VARIANTS = {
     "ddp_2_processes_1_thread": (2, 1),
 }
 # --nanogpt on a CPU without bf16 hardware (model.cpu_emulates): the trainer's bf16 run is left out
-BF16_EMULATED = "this CPU emulates bf16 (neither AMX nor AVX-512 BF16): 10x float32's step on an AVX2 EPYC"
+BF16_EMULATED = (
+    "this CPU emulates bf16 (no AMX, AVX-512 BF16 nor AVX-NE-CONVERT): 10x float32's step on an AVX2 EPYC"
+)
 GLOBAL_BATCH_RE = re.compile(r"\| global batch (\d+) x")
 # an exception's last line (a worker's carries torchrun's "[rankN]: " prefix), an "error: ..." message (in
 # torchrun's closing summary, the message of the trainer's failures.failure.Failed), a C++ exception's
