@@ -307,10 +307,10 @@ bench: $(ENV) ## the lessons under every launcher, then the GPT (2 ranks vs 1 pr
 	$(PY) benchmarks/gpt_throughput.py --out $(BENCH_OUT)/gpt.json $(GPT_BENCH_ARGS)
 	$(PY) benchmarks/gpt_throughput.py --strategies --rounds 2 --steps 40 --out $(BENCH_OUT)/gpt-strategies.json $(GPT_BENCH_ARGS)
 
-bench-anchors: $(ENV) ## single_gpu.py vs the tutorial's loop, the GPT trainer vs nanoGPT's: 7 and 5 rounds
+bench-anchors: $(ENV) ## single_gpu.py vs the tutorial's loop, the GPT trainer vs nanoGPT's: 7 and 9 rounds
 	$(PY) benchmarks/lessons.py --workloads tiny --variants plain tutorial tutorial_mse --tiny_size 2048 \
 	  --epochs 100 --repeats 7 --out $(BENCH_OUT)/anchors $(BENCH_ARGS)
-	$(PY) benchmarks/gpt_throughput.py --nanogpt --rounds 5 --steps 40 --global_batch 32 \
+	$(PY) benchmarks/gpt_throughput.py --nanogpt --rounds 9 --steps 40 --global_batch 32 \
 	  --out $(BENCH_OUT)/anchors/gpt-nanogpt.json
 
 bench-allreduce: $(ENV) ## all-reduce algbw/busbw, 1K to 256M, vs a naive reduce+broadcast and memory copy
